@@ -16,6 +16,7 @@ import json
 import os
 import random
 import re
+import shutil
 import sys
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -513,3 +514,541 @@ class EnvGroup:
 
     def __exit__(self, *exc):
         self.close()
+
+
+# =============================================================================================
+# Chat protocol: token-in, token-out
+# =============================================================================================
+SYSTEM_PROMPT = (
+    "You are an agent in a household text game (ALFWorld). Each turn, reason briefly if it helps, then end "
+    "your reply with exactly one call of the alfworld_step tool carrying the single action to take."
+)
+ALFWORLD_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "alfworld_step",
+        "description": "Take one action in the game, e.g. 'go to cabinet 1' or 'take mug 1 from countertop 2'.",
+        "parameters": {
+            "type": "object",
+            "properties": {"action": {"type": "string", "description": "The action, as a short command."}},
+            "required": ["action"],
+        },
+    },
+}
+STATUS_EXECUTED, STATUS_NOT_ADMISSIBLE, STATUS_INVALID = "executed", "not admissible", "invalid format"
+STATUS_WON, STATUS_OVER = "won", "episode over"
+
+
+def parse_action(text: str) -> str | None:
+    """The action of the single alfworld_step tool call that ends `text`, lowercased with whitespace
+    collapsed; None for zero or several calls, text after the call, another tool, or an empty or
+    multi-line action. JSON (Qwen2.5/3) and XML (Qwen3.5) forms. Linear time; never raises."""
+    if not isinstance(text, str):
+        return None
+    body = text.rstrip()
+    open_tag, close_tag = "<tool_call>", "</tool_call>"
+    if not body.endswith(close_tag) or body.count(open_tag) != 1 or body.count(close_tag) != 1:
+        return None
+    inner = body[body.find(open_tag) + len(open_tag) : -len(close_tag)].strip()
+    action = None
+    if inner.startswith("{"):
+        try:
+            call = json.loads(inner)
+            arguments = call.get("arguments") if isinstance(call, dict) and call.get("name") == "alfworld_step" else None
+            if isinstance(arguments, str):
+                arguments = json.loads(arguments)
+            if isinstance(arguments, dict) and isinstance(arguments.get("action"), str):
+                action = arguments["action"]
+        except (ValueError, RecursionError):
+            return None
+    else:
+        head, param_open = "<function=alfworld_step>", "<parameter=action>"
+        if inner.startswith(head) and inner.endswith("</function>"):
+            params = inner[len(head) : -len("</function>")].strip()
+            if params.startswith(param_open) and params.endswith("</parameter>") and params.count("<parameter=") == 1:
+                action = params[len(param_open) : -len("</parameter>")]
+    if action is None:
+        return None
+    action = action.strip()
+    if not action or "\n" in action or "\r" in action:
+        return None
+    return " ".join(action.split()).lower()
+
+
+def extract_task(observation: str) -> str:
+    """The task sentence of ALFWorld's first observation ("Your task is to: ...")."""
+    match = re.search(r"Your task is to: (.*)", observation)
+    return match.group(1).strip() if match else ""
+
+
+class TemplateNotAppendOnlyError(ValueError):
+    """The chat template re-renders earlier turns differently once later turns are added."""
+
+
+class ChatProtocol:
+    """Renders the agent's chat as token deltas: prompt(t+1) = prompt(t) + completion tokens as sampled
+    + the template's assistant closing + the tool message + the generation prompt. History is never
+    re-tokenised, so extending a prompt costs the same at turn 1 and turn 500."""
+
+    _ASSISTANT, _TOOL = "\x1eASSISTANT\x1e", "\x1eTOOL\x1e"
+
+    def __init__(self, tokenizer, show_admissible: bool = True, system_prompt: str = SYSTEM_PROMPT):
+        self.tokenizer, self.show_admissible, self.system_prompt = tokenizer, show_admissible, system_prompt
+        self.eos_token_id = tokenizer.eos_token_id
+        self.eos_text = tokenizer.eos_token or ""
+        head = [{"role": "system", "content": system_prompt}, {"role": "user", "content": "U"}]
+        p0 = self.render(head, add_generation_prompt=True)
+        p1 = self.render(head + [{"role": "assistant", "content": self._ASSISTANT}])
+        p2 = self.render(head + [{"role": "assistant", "content": self._ASSISTANT}, {"role": "tool", "content": self._TOOL}], True)
+        if not (p1.startswith(p0) and p1[len(p0) :].startswith(self._ASSISTANT) and p2.startswith(p1)):
+            raise TemplateNotAppendOnlyError("the chat template does not render the assistant turn as an append-only suffix")
+        self.closing = p1[len(p0) + len(self._ASSISTANT) :]
+        delta = p2[len(p1) :]
+        if delta.count(self._TOOL) != 1:
+            raise TemplateNotAppendOnlyError("the chat template does not render tool messages verbatim")
+        self.tool_head, self.tool_tail = delta.split(self._TOOL)
+        self._check_append_only(head)
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, tools=[ALFWORLD_TOOL], tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+
+    def _check_append_only(self, head: list[dict]):
+        """Multi-turn chats with reasoning blocks must render exactly as the deltas build them
+        (templates that drop old <think> blocks fail here, at start-up)."""
+        replies = ["<think>\nfirst\n</think>\n\nA1", "<think>\nsecond\n</think>\n\nA2", "A3"]
+        messages, text = list(head), self.render(head, add_generation_prompt=True)
+        for turn, reply in enumerate(replies):
+            messages += [{"role": "assistant", "content": reply}, {"role": "tool", "content": f"T{turn}"}]
+            text += reply + self.closing + self.tool_head + f"T{turn}" + self.tool_tail
+        if self.render(messages, add_generation_prompt=True) != text:
+            raise TemplateNotAppendOnlyError(
+                "the chat template rewrites earlier turns (e.g. drops old <think> blocks), so prompts cannot "
+                "be extended token by token; use a template that renders history verbatim"
+            )
+
+    def user_message(self, observation: str, admissible: Sequence[str]) -> str:
+        return observation + self._admissible_text(admissible)
+
+    def tool_message(self, status: str, observation: str, admissible: Sequence[str]) -> str:
+        return f"Status: {status}\nObservation: {observation}" + self._admissible_text(admissible)
+
+    def _admissible_text(self, admissible: Sequence[str]) -> str:
+        return "\nAdmissible actions: " + ", ".join(admissible) if self.show_admissible else ""
+
+    def initial(self, observation: str, admissible: Sequence[str]) -> tuple[list[int], list[dict]]:
+        """Prompt tokens and messages of the first turn."""
+        messages = [
+            {"role": "system", "content": self.system_prompt},
+            {"role": "user", "content": self.user_message(observation, admissible)},
+        ]
+        return self.encode(self.render(messages, add_generation_prompt=True)), messages
+
+    def delta(self, completion_tokens: Sequence[int], tool_content: str) -> list[int]:
+        """Tokens that follow a sampled completion: assistant closing + tool message + generation prompt."""
+        closing = self.closing
+        if completion_tokens and completion_tokens[-1] == self.eos_token_id and closing.startswith(self.eos_text):
+            closing = closing[len(self.eos_text) :]  # the model already emitted the end-of-turn token
+        return self.encode(closing + self.tool_head + tool_content + self.tool_tail)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+
+# =============================================================================================
+# Batched multi-turn rollouts
+# =============================================================================================
+@dataclasses.dataclass
+class Completion:
+    """What `sample_fn` returns per prompt: the sampled tokens, their logprobs, the decoded text."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    text: str
+
+
+SampleFn = Callable[[list[list[int]], int], list[Completion]]
+STOP_WON, STOP_DONE, STOP_MAX_STEPS, STOP_HORIZON, STOP_TOKEN_BUDGET = "won", "done", "max_steps", "horizon", "token_budget"
+
+
+@dataclasses.dataclass
+class StepRecord:
+    prompt_length: int  # tokens before this step's completion
+    completion_tokens: list[int]
+    logprobs: list[float]
+    text: str
+    action: str | None  # None: invalid format, env not advanced
+    observation: str
+    reward: float
+    won: bool
+    valid: bool
+    admissible: bool
+    admissible_actions: list[str]
+
+
+@dataclasses.dataclass
+class Trajectory:
+    """One branch of one rollout group, from its start state to its stop."""
+
+    start: SavedState
+    group: int
+    branch: int
+    tokens: list[int]  # the next turn's prompt: start prefix + everything since
+    step_ids: list[int]  # per token: -1 context (start prefix included), k = generated at step k
+    logprobs: list[float]  # per token: sampling logprob, 0 on context
+    messages: list[dict]
+    actions: list[str]
+    turn: Turn
+    steps: list[StepRecord] = dataclasses.field(default_factory=list)
+    stop_reason: str | None = None
+    sequence_end: int = 0  # end of the last completion
+
+    @property
+    def round_index(self) -> int:
+        return self.start.round_index + len(self.steps)
+
+    @property
+    def won(self) -> bool:
+        return bool(self.steps) and self.steps[-1].won
+
+    @property
+    def reward(self) -> float:
+        return sum(step.reward for step in self.steps)
+
+    def sequence(self) -> tuple[list[int], list[float], list[int]]:
+        """(tokens, old_logprobs, step_ids) up to the end of the last completion: the training datum."""
+        end = self.sequence_end
+        return self.tokens[:end], self.logprobs[:end], self.step_ids[:end]
+
+    def saved_state(self) -> SavedState:
+        """Where this branch stands now, as plain data (the next turn's prompt included)."""
+        base = self.start.round_index
+        prefix_step_ids = self.start.prefix_step_ids + [k + base if k >= 0 else -1 for k in self.step_ids[len(self.start.prefix_tokens) :]]
+        prefix_logprobs = self.start.prefix_logprobs + self.logprobs[len(self.start.prefix_tokens) :]
+        return SavedState(
+            game_file=self.start.game_file,
+            seed=self.start.seed,
+            actions=list(self.actions),
+            messages=list(self.messages),
+            prefix_tokens=list(self.tokens),
+            round_index=self.round_index,
+            observation=self.turn.observation,
+            admissible=list(self.turn.admissible),
+            task=self.start.task,
+            prefix_step_ids=prefix_step_ids,
+            prefix_logprobs=prefix_logprobs,
+        )
+
+
+def fresh_state(game_file: str | Path, protocol: ChatProtocol, seed: int = 0) -> SavedState:
+    """The start of an episode as a SavedState (turn 0, the first prompt rendered)."""
+    with EnvGroup(game_file, 1) as group:
+        turn = group.turns[0]
+    tokens, messages = protocol.initial(turn.observation, turn.admissible)
+    return SavedState(
+        game_file=str(game_file), seed=seed, actions=[], messages=messages, prefix_tokens=tokens, round_index=0,
+        observation=turn.observation, admissible=list(turn.admissible), task=extract_task(turn.observation),
+        prefix_step_ids=[-1] * len(tokens), prefix_logprobs=[0.0] * len(tokens),
+    )  # fmt: skip
+
+
+def rollout(
+    starts: Sequence[SavedState],
+    num_branches: int,
+    sample_fn: SampleFn,
+    protocol: ChatProtocol,
+    *,
+    horizon: int,
+    max_episode_steps: int,
+    max_turn_tokens: int,
+    max_trajectory_tokens: int,
+    on_turn: Callable[[int, int], None] | None = None,
+) -> list[list[Trajectory]]:
+    """Run `num_branches` branches from every start state for up to `horizon` turns.
+
+    Each turn makes ONE `sample_fn` call with the prompts of all live branches of all groups.
+    A branch stops when it wins, the env is done, the episode reaches `max_episode_steps`, the
+    segment reaches `horizon`, or the next turn would not fit in `max_trajectory_tokens`.
+    A saved state that fails to restore gives an empty group (the caller counts it)."""
+    groups, trajectories = [], []
+    try:
+        for index, start in enumerate(starts):
+            try:
+                group = EnvGroup(start.game_file, num_branches)
+                turn = group.restore(start)
+            except (ReplayMismatchError, OSError, ValueError, KeyError) as error:
+                print(f"[rollout] dropping start state of {start.game_file}: {error}", file=sys.stderr)
+                groups.append(None)
+                trajectories.append([])
+                continue
+            groups.append(group)
+            n_prefix = len(start.prefix_tokens)
+            trajectories.append([
+                Trajectory(start, index, b, list(start.prefix_tokens), [-1] * n_prefix, [0.0] * n_prefix,
+                           list(start.messages), list(start.actions), turn, sequence_end=n_prefix)
+                for b in range(num_branches)
+            ])  # fmt: skip
+
+        for branch_list in trajectories:
+            for traj in branch_list:
+                _check_stop(traj, horizon, max_episode_steps, max_turn_tokens, max_trajectory_tokens)
+        turn_index = 0
+        while live := [t for branch_list in trajectories for t in branch_list if t.stop_reason is None]:
+            completions = sample_fn([t.tokens for t in live], max_turn_tokens)
+            if len(completions) != len(live):
+                raise RuntimeError(f"sample_fn returned {len(completions)} completions for {len(live)} prompts")
+            commands_by_group: dict[int, list[str | None]] = {}
+            for traj, completion in zip(live, completions):
+                action = parse_action(completion.text)
+                traj.pending = (completion, action)
+                commands = commands_by_group.setdefault(traj.group, [None] * num_branches)
+                commands[traj.branch] = action
+            turns_by_group = {g: groups[g].step(commands) for g, commands in commands_by_group.items()}
+            for traj in live:
+                completion, action = traj.__dict__.pop("pending")
+                _record_step(traj, completion, action, turns_by_group[traj.group][traj.branch], protocol)
+                _check_stop(traj, horizon, max_episode_steps, max_turn_tokens, max_trajectory_tokens)
+            turn_index += 1
+            if on_turn is not None:
+                on_turn(turn_index, len(live))
+        return trajectories
+    finally:
+        for group in groups:
+            if group is not None:
+                group.close()
+
+
+def _record_step(traj: Trajectory, completion: Completion, action: str | None, turn: Turn, protocol: ChatProtocol):
+    previous = traj.turn
+    valid = action is not None
+    admissible = valid and action in previous.admissible
+    prompt_length, k = len(traj.tokens), len(traj.steps)
+    traj.tokens.extend(completion.tokens)
+    traj.step_ids.extend([k] * len(completion.tokens))
+    traj.logprobs.extend(completion.logprobs)
+    traj.sequence_end = len(traj.tokens)
+    if valid:
+        traj.actions.append(action)
+        traj.turn = turn
+    won = traj.turn.won
+    reward = 1.0 if won and not previous.won else 0.0
+    traj.steps.append(StepRecord(prompt_length, list(completion.tokens), list(completion.logprobs), completion.text,
+                                 action, traj.turn.observation, reward, won, valid, admissible, list(previous.admissible)))  # fmt: skip
+    if won:
+        status = STATUS_WON
+    elif not valid:
+        status = STATUS_INVALID + ": end your reply with exactly one alfworld_step tool call"
+    elif not admissible:
+        status = STATUS_NOT_ADMISSIBLE
+    else:
+        status = STATUS_EXECUTED
+    content = protocol.tool_message(status, traj.turn.observation, traj.turn.admissible)
+    traj.messages += [{"role": "assistant", "content": completion.text}, {"role": "tool", "content": content}]
+    delta = protocol.delta(completion.tokens, content)
+    traj.tokens.extend(delta)
+    traj.step_ids.extend([-1] * len(delta))
+    traj.logprobs.extend([0.0] * len(delta))
+
+
+def _check_stop(traj: Trajectory, horizon: int, max_episode_steps: int, max_turn_tokens: int, max_trajectory_tokens: int):
+    if traj.steps and traj.steps[-1].won:
+        traj.stop_reason = STOP_WON
+    elif traj.round_index >= max_episode_steps:
+        traj.stop_reason = STOP_MAX_STEPS
+    elif len(traj.steps) >= horizon:
+        traj.stop_reason = STOP_HORIZON
+    elif len(traj.tokens) + max_turn_tokens > max_trajectory_tokens:
+        traj.stop_reason = STOP_TOKEN_BUDGET
+
+
+# =============================================================================================
+# The tiny offline model (tests and smoke runs: `--model tiny`)
+# =============================================================================================
+# Qwen2.5-Instruct's chat template (tools block, grouped `role: tool` turns, tool_calls), written out
+# here so tests can render chats against an independent implementation without a download.
+QWEN25_CHAT_TEMPLATE = """\
+{%- if tools %}
+    {{- '<|im_start|>system\\n' }}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- messages[0]['content'] }}
+    {%- else %}
+        {{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' }}
+    {%- endif %}
+    {{- "\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n" }}
+{%- else %}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}
+    {%- else %}
+        {{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}
+    {%- endif %}
+{%- endif %}
+{%- for message in messages %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}
+        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}
+    {%- elif message.role == "assistant" %}
+        {{- '<|im_start|>' + message.role }}
+        {%- if message.content %}
+            {{- '\\n' + message.content }}
+        {%- endif %}
+        {%- for tool_call in message.tool_calls %}
+            {%- if tool_call.function is defined %}
+                {%- set tool_call = tool_call.function %}
+            {%- endif %}
+            {{- '\\n<tool_call>\\n{"name": "' }}
+            {{- tool_call.name }}
+            {{- '", "arguments": ' }}
+            {{- tool_call.arguments | tojson }}
+            {{- '}\\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\\n<tool_response>\\n' }}
+        {{- message.content }}
+        {{- '\\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
+            {{- '<|im_end|>\\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+{%- endif %}
+"""
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
+
+
+def _tiny_corpus(rng: random.Random) -> list[str]:
+    """Game-like text (ALFWorld observations, actions, tool calls, judge/value outputs) for BPE training."""
+    recs = ["cabinet", "countertop", "drawer", "fridge", "microwave", "sinkbasin", "stoveburner", "shelf",
+            "garbagecan", "coffeemachine", "toaster", "diningtable", "coffeetable", "sidetable", "desk", "bed",
+            "sofa", "armchair", "dresser", "safe", "bathtubbasin", "toilet", "towelholder", "handtowelholder",
+            "ottoman", "cart", "laundryhamper", "toiletpaperhanger"]
+    objs = ["alarmclock", "apple", "baseballbat", "basketball", "book", "bowl", "box", "bread", "butterknife",
+            "candle", "cd", "cellphone", "cloth", "creditcard", "cup", "desklamp", "dishsponge", "egg", "floorlamp",
+            "fork", "glassbottle", "handtowel", "houseplant", "kettle", "keychain", "knife", "ladle", "laptop",
+            "lettuce", "mug", "newspaper", "pan", "papertowelroll", "pen", "pencil", "peppershaker", "pillow",
+            "plate", "plunger", "pot", "potato", "remotecontrol", "saltshaker", "scrubbrush", "soapbar",
+            "soapbottle", "spatula", "spoon", "spraybottle", "statue", "teddybear", "tennisracket", "tissuebox",
+            "toiletpaper", "tomato", "towel", "vase", "watch", "wateringcan", "winebottle"]
+    tasks = ["put a {a} in {r}.", "put a clean {a} in {r}.", "put a hot {a} in {r}.", "put a cool {a} in {r}.",
+             "put two {a} in {r}.", "look at {a} under the desklamp.", "heat some {a} and put it in {r}.",
+             "clean some {a} and put it in {r}.", "cool some {a} and put it in {r}.",
+             "find two {a} and put them in {r}."]
+    texts = []
+    for _ in range(400):
+        seen = ", ".join(f"a {rng.choice(recs)} {rng.randint(1, 12)}" for _ in range(rng.randint(3, 12)))
+        o, r = rng.choice(objs), rng.choice(recs)
+        n, m, k = rng.randint(1, 9), rng.randint(1, 9), rng.randint(1, 30)
+        task = rng.choice(tasks).format(a=o, r=r)
+        action = rng.choice([f"go to {r} {n}", f"take {o} {n} from {r} {m}", f"move {o} {n} to {r} {m}",
+                             f"put {o} {n} in/on {r} {m}", f"open {r} {n}", f"close {r} {n}",
+                             f"heat {o} {n} with microwave {m}", f"cool {o} {n} with fridge {m}",
+                             f"clean {o} {n} with sinkbasin {m}", f"slice {o} {n} with knife {m}",
+                             f"use desklamp {n}", f"examine {r} {n}", "look", "inventory"])
+        texts += [
+            f"-= Welcome to TextWorld, ALFRED! =-\n\nYou are in the middle of a room. Looking quickly around you, "
+            f"you see {seen}.\n\nYour task is to: {task}",
+            f"> {action}\n",
+            rng.choice([f"You arrive at {r} {n}. On the {r} {n}, you see a {o} {m}, and a {rng.choice(objs)} {k}.",
+                        f"You pick up the {o} {n} from the {r} {m}.", f"You put the {o} {n} in/on the {r} {m}.",
+                        f"You open the {r} {n}. The {r} {n} is open. In it, you see nothing.",
+                        f"You close the {r} {n}.", f"You heat the {o} {n} using the microwave {m}.",
+                        f"You cool the {o} {n} using the fridge {m}.",
+                        f"You clean the {o} {n} using the sinkbasin {m}.",
+                        f"You are carrying: a {o} {n}.", "You are not carrying anything.", "Nothing happens."]),
+            '<tool_call>\n{"name": "alfworld_step", "arguments": ' + json.dumps({"action": action}) + "}\n</tool_call>",
+            f'<tool_response>\nObservation: Nothing happens. Admissible actions: ["{action}", "look"]\n'
+            "</tool_response>",
+            f"<action>{action}</action> <value>{rng.random():.{rng.randint(1, 3)}f}</value> "
+            f"<think>I need to find the {o} first.</think>",
+            f"Step {k} Judgment: {rng.choice(['GOOD', 'BAD', 'NEUTRAL'])}. "
+            f"Reward: {rng.choice(['0', '1', '-1', '0.5'])}",
+            '{"type": "function", "function": {"name": "alfworld_step", "description": "Take one action in the '
+            'game.", "parameters": {"type": "object", "properties": {"action": {"type": "string"}}, '
+            '"required": ["action"]}}}',
+        ]
+    prose = ("You are Qwen, created by Alibaba Cloud. You are a helpful assistant.\n\n# Tools\n\nYou may call one or "
+             "more functions to assist with the user query. You are an expert agent operating in a household. "
+             "Think step by step about what you have seen, where the object could be, and which action brings you "
+             "closer to the goal. Respond with exactly one action from the list of admissible actions. Rate how "
+             "promising the last step was, and estimate the probability of success between 0 and 1. Your previous "
+             "steps were: none. Current observation and history follow. Answer with your reasoning, then the final "
+             "answer. The episode ended: you won, you lost, out of steps, invalid format, unknown command.")
+    return texts + [prose, " ".join(str(i) for i in range(100))]
+
+
+def _qwen2_pipeline(tok) -> None:
+    from tokenizers import Regex, decoders, normalizers, pre_tokenizers
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+    # Same normalizer/pre-tokenizer/decoder that Qwen2Tokenizer rebuilds on load; any other would shift ids on reload.
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+
+
+def build_tiny_model(out_dir: str | Path, seed: int = 0) -> Path:
+    """Build a tiny random Qwen2 chat model + trained BPE tokenizer offline, deterministically, into `out_dir`."""
+    import torch
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
+
+    out_dir = Path(out_dir)
+    bpe = Tokenizer(models.BPE())
+    _qwen2_pipeline(bpe)
+    trainer = trainers.BpeTrainer(vocab_size=2000, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    bpe.train_from_iterator(_tiny_corpus(random.Random(0)), trainer=trainer)  # tokenizer fixed across seeds
+    model_json = json.loads(bpe.to_str())["model"]
+    tokenizer = Qwen2Tokenizer(
+        vocab=model_json["vocab"], merges=[tuple(m) for m in model_json["merges"]],
+        eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token=None,
+        extra_special_tokens=["<|im_start|>", "<|im_end|>"], model_max_length=32768,
+    )
+    # Like Qwen2.5: tool/think tags are single ids but not special, so decode(skip_special_tokens=True) keeps them.
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
+    tokenizer.chat_template = QWEN25_CHAT_TEMPLATE
+
+    pad, eos = tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32768, tie_word_embeddings=True,
+        bos_token_id=pad, eos_token_id=eos, pad_token_id=pad, dtype="float32",
+    )
+    with torch.random.fork_rng(devices=[]):  # seed the init without touching the caller's RNG state
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config).float()
+    # Minimal on purpose: any sampling field here would silently override the caller's generate() settings.
+    model.generation_config = GenerationConfig(bos_token_id=pad, eos_token_id=eos, pad_token_id=pad)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def resolve_model(model: str, cache_dir: str | Path = DEFAULT_CACHE_DIR) -> str:
+    """`tiny` -> the offline tiny model (built once into the cache); anything else is passed through."""
+    if model != "tiny":
+        return model
+    path = Path(cache_dir) / "tiny-model"
+    if not (path / "model.safetensors").is_file():
+        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+        build_tiny_model(tmp)
+        try:
+            os.replace(tmp, path)  # atomic: a concurrent builder's copy is identical
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return str(path)
