@@ -1,0 +1,120 @@
+"""Environment speed: stock TextWorld (as ALFWorld runs it) vs common.AlfredEnv, and restore by
+snapshot vs by replay. Prints figures and ratios.
+
+    python benchmarks/env.py [--data-root DIR] [--games 3] [--repeats 5]
+"""
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import textworld
+import textworld.gym
+from alfworld.agents.environment.alfred_tw_env import AlfredDemangler, AlfredInfos
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import common  # noqa: E402
+
+
+def timed(fn, repeats):
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def long_command_list(game_file, length):
+    """Walkthrough commands padded with idle moves up to `length` (all admissible or harmless)."""
+    commands = []
+    for command in common.load_walkthrough(game_file):
+        commands += ["look", "inventory"]
+        commands.append(command)
+    return (commands * (length // max(len(commands), 1) + 1))[:length]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data-root", default=None, help="ALFWorld data (default: the generated offline set)")
+    parser.add_argument("--games", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    root = args.data_root or common.default_data_root()
+    games = common.discover_games(root, "train")
+    # mid-size games: the most receptacles first
+    games = sorted(games, key=lambda g: -common.load_game(g).problem.count("- receptacle"))[: args.games]
+
+    print(f"{'game':60s} {'stock reset':>12s} {'ours reset':>11s} {'x':>6s} {'stock step':>11s} {'ours step':>10s} {'x':>6s}")
+    for game_file in games:
+        infos = textworld.EnvInfos(won=True, admissible_commands=True, extras=["gamefile"])
+        env_id = textworld.gym.register_games([game_file], infos, batch_size=1, asynchronous=False,
+                                              max_episode_steps=1000, wrappers=[AlfredDemangler, AlfredInfos])
+        stock = textworld.gym.make(env_id)
+        ours = common.AlfredEnv(game_file)
+        commands = long_command_list(game_file, 20)
+        stock_reset = timed(stock.reset, args.repeats)
+        ours_reset = timed(ours.reset, args.repeats)
+
+        def stock_steps():
+            stock.reset()
+            start = time.perf_counter()
+            for command in commands:
+                stock.step([command])
+            return time.perf_counter() - start
+
+        def ours_steps():
+            ours.reset()
+            start = time.perf_counter()
+            for command in commands:
+                ours.step(command)
+            return time.perf_counter() - start
+
+        stock_step = statistics.median(stock_steps() for _ in range(args.repeats)) / len(commands)
+        ours_step = statistics.median(ours_steps() for _ in range(args.repeats)) / len(commands)
+        name = Path(game_file).parent.parent.name[:60]
+        print(f"{name:60s} {stock_reset * 1e3:10.1f}ms {ours_reset * 1e3:9.2f}ms {stock_reset / ours_reset:6.0f} "
+              f"{stock_step * 1e3:9.1f}ms {ours_step * 1e3:8.2f}ms {stock_step / ours_step:6.1f}")
+        stock.close()
+        ours.close()
+
+    game_file = games[0]
+    print(f"\nrestore on {Path(game_file).parent.parent.name}: snapshot (in-process) vs replay (portable, verified)")
+    print(f"{'actions':>8s} {'snapshot':>10s} {'replay':>10s} {'x':>8s} {'stock replay':>13s}")
+    group = common.EnvGroup(game_file, 1)
+    infos = textworld.EnvInfos(won=True, admissible_commands=True)
+    env_id = textworld.gym.register_games([game_file], infos, batch_size=1, asynchronous=False,
+                                          max_episode_steps=1000, wrappers=[AlfredDemangler, AlfredInfos])
+    stock = textworld.gym.make(env_id)
+    for length in (5, 10, 20, 40):
+        commands = long_command_list(game_file, length)
+        group.reset()
+        for command in commands:
+            turn = group.step([command])[0]
+        snapshot = group.snapshot(0)
+        state = common.SavedState(game_file, 0, commands, [], [], length, turn.observation, turn.admissible)
+
+        def by_snapshot():
+            group.restore_snapshot(0, snapshot)
+            group.step(["look"])  # a restore is only useful with the step after it
+
+        def by_replay():
+            group.restore(state)
+            group.step(["look"])
+
+        def by_stock_replay():
+            stock.reset()
+            for command in commands + ["look"]:
+                stock.step([command])
+
+        snap, replay = timed(by_snapshot, args.repeats * 4), timed(by_replay, args.repeats)
+        stock_replay = timed(by_stock_replay, 2)
+        print(f"{length:8d} {snap * 1e3:8.2f}ms {replay * 1e3:8.1f}ms {replay / snap:8.1f} {stock_replay * 1e3:11.0f}ms")
+    group.close()
+    stock.close()
+
+
+if __name__ == "__main__":
+    main()

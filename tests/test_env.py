@@ -1,0 +1,202 @@
+"""The environment half of common.py, on the real TextWorld / Fast Downward engine."""
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import psutil
+import pytest
+import textworld
+import textworld.gym
+from alfworld.agents.environment.alfred_tw_env import AlfredDemangler, AlfredInfos
+
+import common
+
+
+def play(group_or_env, commands):
+    return [group_or_env.step(c) for c in commands]
+
+
+def test_generated_games_cover_every_task_type_and_play_to_won(all_games):
+    task_types = {common.load_task_type(g) for g in all_games}
+    assert task_types == set(common.TASK_TYPES)
+    for game_file in all_games:
+        walkthrough = common.load_walkthrough(game_file)
+        assert walkthrough, game_file
+        env = common.AlfredEnv(game_file)
+        turn = env.reset()
+        assert "Your task is to: " in turn.observation
+        assert not turn.won
+        for command in walkthrough:
+            assert command in turn.admissible, (game_file, command)
+            turn = env.step(command)
+        assert turn.won, game_file
+        env.close()
+
+
+def test_fast_env_text_equals_stock_textworld(all_games):
+    """Same observations, admissible commands and won flags as ALFWorld's stock TextWorld setup."""
+    for game_file in all_games[:: len(all_games) // 4]:
+        infos = textworld.EnvInfos(won=True, admissible_commands=True, extras=["gamefile"])
+        env_id = textworld.gym.register_games([game_file], infos, batch_size=1, asynchronous=False,
+                                              max_episode_steps=200, wrappers=[AlfredDemangler, AlfredInfos])
+        stock = textworld.gym.make(env_id)
+        fast = common.AlfredEnv(game_file)
+        obs, info = stock.reset()
+        turn = fast.reset()
+        assert (obs[0], info["admissible_commands"][0]) == (turn.observation, turn.admissible)
+        commands = ["look", "bogus command", turn.admissible[0], "inventory"] + common.load_walkthrough(game_file)
+        for command in commands:
+            obs, _, _, info = stock.step([command])
+            turn = fast.step(command)
+            assert obs[0] == turn.observation, command
+            assert info["admissible_commands"][0] == turn.admissible, command
+            assert info["won"][0] == turn.won
+        stock.close()
+        fast.close()
+
+
+def _make_download_layout(root: Path, all_games):
+    """A fake `alfworld-download` tree with the cases discovery must skip."""
+    for game_file in all_games[:6]:
+        src = Path(game_file).parent
+        for split in ("train", "valid_seen"):
+            shutil.copytree(src, root / "json_2.1.1" / split / src.parent.name / src.name)
+    src = Path(all_games[0]).parent
+    shutil.copytree(src, root / "json_2.1.1/train/pick_and_place_simple-Mug-None-movable-Shelf-1/trial_X")
+    shutil.copytree(src, root / "json_2.1.1/train/pick_and_place_simple-AppleSliced-None-Shelf-1/trial_X")
+    unsolvable = root / "json_2.1.1/train/pick_and_place_simple-Unsolvable-None-Shelf-1/trial_X"
+    shutil.copytree(src, unsolvable)
+    data = json.loads((unsolvable / "game.tw-pddl").read_text())
+    (unsolvable / "game.tw-pddl").write_text(json.dumps({**data, "solvable": False}))
+    unknown = root / "json_2.1.1/train/pick_two_obj_and_slice-X-None-Shelf-1/trial_X"
+    shutil.copytree(src, unknown)
+    traj = json.loads((unknown / "traj_data.json").read_text())
+    (unknown / "traj_data.json").write_text(json.dumps({**traj, "task_type": "slice_and_dance"}))
+
+
+def test_discover_games_download_layout(tmp_path, all_games):
+    _make_download_layout(tmp_path, all_games)
+    games = common.discover_games(tmp_path, "train")
+    assert len(games) == 6
+    assert all("movable" not in g and "Sliced" not in g and "Unsolvable" not in g and "slice" not in g for g in games)
+    assert games == sorted(games)
+    shuffled = common.discover_games(tmp_path, "train", seed=3)
+    assert sorted(shuffled) == games and shuffled == common.discover_games(tmp_path, "train", seed=3)
+    assert shuffled != common.discover_games(tmp_path, "train", seed=4) or len(games) < 3
+    only = common.discover_games(tmp_path, "valid_seen", task_types=["look_at_obj_in_light"])
+    assert only and all(common.load_task_type(g) == "look_at_obj_in_light" for g in only)
+    with pytest.raises(FileNotFoundError, match="alfworld-download"):
+        common.discover_games(tmp_path / "nowhere", "train")
+    (tmp_path / "json_2.1.1/valid_unseen").mkdir()
+    with pytest.raises(FileNotFoundError, match="no playable games"):
+        common.discover_games(tmp_path, "valid_unseen")
+    with pytest.raises(ValueError, match="unknown task types"):
+        common.discover_games(tmp_path, "train", task_types=["fly"])
+
+
+def _walk_with_detours(game_file):
+    """A long action list: the walkthrough with inadmissible and idle commands mixed in."""
+    commands = []
+    for i, command in enumerate(common.load_walkthrough(game_file)):
+        commands += ["inventory", "jump around", "look"] if i % 2 == 0 else []
+        commands.append(command)
+    return commands
+
+
+def test_restore_by_snapshot_and_by_replay_reproduce_the_next_steps(all_games):
+    game_file = next(g for g in all_games if "pick_two" in g)
+    commands = _walk_with_detours(game_file)
+    cut = len(commands) // 2
+    prefix, suffix = commands[:cut], commands[cut : cut + 10]
+    with common.EnvGroup(game_file, 1) as group:
+        for command in prefix:
+            turn = group.step([command])[0]
+        snapshot = group.snapshot(0)
+        expected = [(t.observation, t.admissible, t.won) for t in (group.step([c])[0] for c in suffix)]
+        restored = group.restore_snapshot(0, snapshot)
+        assert (restored.observation, restored.admissible) == (turn.observation, turn.admissible)
+        again = [(t.observation, t.admissible, t.won) for t in (group.step([c])[0] for c in suffix)]
+        assert again == expected
+
+    state = common.SavedState(game_file, 0, prefix, [{"role": "user", "content": "x"}], [1, 2, 3], cut,
+                              turn.observation, turn.admissible, task="t")
+    state = common.SavedState.from_json(state.to_json())
+    with common.EnvGroup(game_file, 2) as fresh:
+        restored = fresh.restore(state)
+        assert (restored.observation, restored.admissible) == (turn.observation, turn.admissible)
+        replayed = [(t.observation, t.admissible, t.won) for t in (fresh.step([c, c])[1] for c in suffix)]
+        assert replayed == expected
+
+
+def test_tampered_history_raises_mismatch(all_games):
+    game_file = all_games[0]
+    walkthrough = common.load_walkthrough(game_file)
+    with common.EnvGroup(game_file, 1) as group:
+        turn = play(group, [[c] for c in walkthrough[:2]])[-1][0]
+        state = common.SavedState(game_file, 0, walkthrough[:2], [], [], 2, turn.observation, turn.admissible)
+        tampered = common.SavedState(**{**state.__dict__, "actions": [walkthrough[0], "look"]})
+        with pytest.raises(common.ReplayMismatchError, match="replaying 2 actions"):
+            group.restore(tampered)
+        assert group.restore(state).observation == turn.observation
+
+
+def test_branches_never_share_state(all_games):
+    game_file = all_games[0]
+    walkthrough = common.load_walkthrough(game_file)
+    with common.EnvGroup(game_file, 3) as group:
+        first = group.turns[0]
+        others = [a for a in first.admissible if a != walkthrough[0] and a.startswith("go to")]
+        plans = [walkthrough, [others[0]] * len(walkthrough), [None] * len(walkthrough)]
+        for step in range(len(walkthrough)):
+            turns = group.step([plan[step] for plan in plans])
+        assert turns[0].won and not turns[1].won
+        assert turns[2] is first  # never stepped
+        for plan, turn in zip(plans[:2], turns):
+            solo = common.AlfredEnv(game_file)
+            solo.reset()
+            solo_turn = play(solo, plan)[-1]
+            assert (solo_turn.observation, solo_turn.admissible) == (turn.observation, turn.admissible)
+            solo.close()
+
+
+def test_closing_leaves_no_child_process_or_file_handle(all_games):
+    process = psutil.Process()
+    fds_before = process.num_fds()
+    groups = [common.EnvGroup(g, 4) for g in all_games[:3]]
+    for group in groups:
+        group.step([common.load_walkthrough(group.game_file)[0]] * 4)
+        group.close()
+    assert process.children(recursive=True) == []
+    assert process.num_fds() <= fds_before
+    assert all(group.env._lib is None for group in groups)
+
+
+def test_saved_state_survives_json():
+    state = common.SavedState("g.tw-pddl", 7, ["go to shelf 1"], [{"role": "tool", "content": "é\n\"q\""}], [5, 6],
+                              1, "obs", ["look"], task="t", prefix_step_ids=[-1, 0], prefix_logprobs=[0.0, -0.5])
+    assert common.SavedState.from_json(state.to_json()) == state
+
+
+def test_grammar_code_cannot_run(tmp_path, all_games):
+    marker = tmp_path / "pwned"
+    src = Path(all_games[0]).parent
+    bad = tmp_path / "json_2.1.1/train/pick_and_place_simple-Evil-None-Shelf-1/trial_X"
+    shutil.copytree(src, bad)
+    data = json.loads((bad / "game.tw-pddl").read_text())
+    payload = f"{{__import__('os').system('touch {marker}')}}"
+    assert "#intro#" in data["grammar"] or "intro" in data["grammar"]
+    data["grammar"] = data["grammar"].replace("-= Welcome to TextWorld, ALFRED! =-", payload, 1)
+    assert payload in data["grammar"]
+    (bad / "game.tw-pddl").write_text(json.dumps(data))
+    with pytest.raises(common.UnsafeGrammarError, match=str(bad / "game.tw-pddl")):
+        common.AlfredEnv(bad / "game.tw-pddl")
+    assert not marker.exists()
+    for refused in ["o.__class__", "().__class__", "open('x')", "[1][0]", "o.name if o else o.id", "f(o)"]:
+        with pytest.raises(common.UnsafeGrammarError):
+            common._compile_grammar_expression(refused, "g.tw-pddl")
+    class Info:
+        name, id, indefinite = "", "mug_bar_1", "a"
+    compiled = common._compile_grammar_expression("o.indefinite + ' ' + (o.name or o.id)", "g")
+    assert compiled({"o": Info()}) == "a mug_bar_1"
