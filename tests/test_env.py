@@ -1,7 +1,6 @@
 """The environment half of common.py, on the real TextWorld / Fast Downward engine."""
 
 import json
-import os
 import shutil
 from pathlib import Path
 

@@ -1,7 +1,6 @@
 """Chat protocol, parse_action and the batched rollout driver (scripted samplers, real engine)."""
 
 import copy
-import json
 
 import pytest
 
@@ -130,7 +129,8 @@ class Scripted:
             turn = text.count("<|im_start|>assistant") - 1
             reply = self.reply_fn(common.extract_task(text), turn)
             tokens = (self.protocol.encode(reply) + [self.protocol.eos_token_id])[:max_new_tokens]
-            out.append(common.Completion(tokens, [-0.5] * len(tokens), reply))
+            text = self.protocol.tokenizer.decode(tokens, skip_special_tokens=True)
+            out.append(common.Completion(tokens, [-0.5] * len(tokens), text))
         return out
 
 

@@ -1,0 +1,1248 @@
+"""ADCA-GRPO: multi-turn GRPO where an LLM labels every step GOOD or BAD (AgentEvolver's `decouple` scheme).
+
+Per update: play G games x N full episodes each (one GRPO group per game), score each trajectory 0/1
+(won), ask a labeller to judge every step GOOD or BAD (ONE request per trajectory, showing the task, the
+numbered steps and the trajectory's outcome advantage), z-score the labels and the outcomes separately
+within each group, fuse them per step (alpha * labels + outcome on the last step), take suffix sums as the
+step advantages, broadcast them to the generated tokens, and take one PPO-clip step on a LoRA adapter.
+With `--alpha 0` or `--no-attribution` the same code path is plain multi-turn GRPO (the baseline).
+
+    python adca_grpo.py --labeler-base-url http://localhost:8000/v1 --labeler-model Qwen/Qwen3-32B
+    python adca_grpo.py --labeler-backend self      # the policy labels its own steps: no endpoint, no key
+    python adca_grpo.py --no-attribution            # plain multi-turn GRPO
+    python adca_grpo.py --model tiny --help
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import math
+import os
+import random
+import re
+import shutil
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Literal, Sequence
+
+import numpy as np
+import openai
+import torch
+import tyro
+
+import common
+
+ALGORITHM = "adca_grpo"
+ORM_DISTRIBUTIONS = ("last_step", "all_steps")
+
+
+@dataclass
+class Args:
+    # ---- model and optimisation (shared with tempo.py) ----
+    model: str = "Qwen/Qwen3-4B-Instruct-2507"
+    """HF model id or local path; `tiny` = the offline tiny model (tests, smoke runs)"""
+    lora_rank: int = 32
+    """LoRA rank"""
+    lora_alpha: int = 64
+    """LoRA alpha (scale = alpha / rank)"""
+    lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    """module names that get LoRA adapters"""
+    learning_rate: float = 1e-6
+    """AdamW learning rate"""
+    adam_betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW betas"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping threshold (global L2 norm)"""
+    temperature: float = 1.0
+    """sampling temperature (logprobs are taken at this temperature too)"""
+    top_p: float = 1.0
+    """nucleus sampling threshold"""
+    micro_batch_tokens: int = 16384
+    """token budget of one forward/backward micro-batch (rows x padded length); gradients accumulate"""
+    sample_batch_size: int = 32
+    """prompts per generate() call"""
+    # ---- data ----
+    data_root: str | None = None
+    """ALFWorld data dir holding json_2.1.1/ (None = the generated offline game set)"""
+    split: Literal["train", "valid_seen", "valid_unseen"] = "train"
+    """split the training games come from"""
+    task_types: tuple[str, ...] | None = None
+    """ALFWorld task types to train on (None = all six)"""
+    seed: int = 1
+    """seed of the game order and of sampling"""
+    # ---- GRPO ----
+    num_updates: int = 200
+    """policy updates (one rollout and one optimizer step each)"""
+    games_per_update: int = 8
+    """G: games per update (per process), one GRPO group each"""
+    trajectories_per_game: int = 8
+    """N: episodes sampled per game (the group size)"""
+    max_turns: int = 30
+    """T: turns per episode (the rollout horizon)"""
+    max_turn_tokens: int = 512
+    """new tokens per turn"""
+    max_trajectory_tokens: int = 24576
+    """token budget of one episode (an episode stops before overflowing it)"""
+    clip_eps: float = 0.2
+    """PPO clip range below 1 (and above, unless --clip-eps-high is set)"""
+    clip_eps_high: float | None = None
+    """PPO clip range above 1 (DAPO's clip-higher); None = --clip-eps"""
+    kl_beta: float = 0.0
+    """weight of the per-token KL to the base model (the adapter disabled); 0 = off"""
+    # ---- ADCA: step attribution ----
+    attribution: bool = True
+    """label steps and use the labels (--no-attribution: plain multi-turn GRPO)"""
+    alpha: float = 0.1
+    """weight of the z-scored step labels next to the z-scored outcome (0 = plain GRPO)"""
+    alpha_schedule: Literal["constant", "cosine"] = "constant"
+    """constant alpha, or cosine decay from --alpha to --alpha-min over --num-updates"""
+    alpha_min: float = 0.0
+    """final alpha of the cosine schedule"""
+    fix_base: float = 0.2
+    """raw step reward: +fix_base for GOOD, -fix_base for BAD (before the group z-score)"""
+    orm_distribution: Literal["last_step", "all_steps"] = "last_step"
+    """where the outcome advantage is added: on the last step only, or on every step"""
+    equal_trajectory_weight: bool = True
+    """label z-score with every trajectory weighing the same (--no-equal-trajectory-weight: every step)"""
+    length_normalization: bool = False
+    """scale a trajectory's step rewards by 1/sqrt(its number of steps)"""
+    skip_type: Literal["skip_small_adv", "skip_all_neg", "none"] = "skip_small_adv"
+    """trajectories not sent to the labeller: |outcome advantage| < 1e-8, outcome <= 0, or none"""
+    prm_steps: int = 20
+    """label only during the first N updates (cost control), plain GRPO after"""
+    # ---- ADCA: the labeller ----
+    labeler_backend: Literal["auto", "api", "self"] = "auto"
+    """api: an OpenAI-compatible endpoint; self: the policy itself, greedy; auto: api if --labeler-base-url is set"""
+    labeler_base_url: str = ""
+    """chat-completions base URL, e.g. http://localhost:8000/v1 (vllm serve) or DashScope's .../compatible-mode/v1"""
+    labeler_model: str = "qwen-max"
+    """model name sent to the endpoint"""
+    labeler_api_key_env: str = "DASHSCOPE_API_KEY"
+    """NAME of the environment variable holding the endpoint's key (the key itself is never logged)"""
+    labeler_concurrency: int = 16
+    """labelling requests in flight at once"""
+    labeler_timeout_s: float = 120.0
+    """timeout of one request"""
+    labeler_deadline_s: float = 900.0
+    """all labelling of one update ends by then; trajectories without labels get uniform ones"""
+    labeler_max_attempts: int = 20
+    """attempts per request (all within the deadline)"""
+    labeler_rate_limit_backoff_s: float = 1.0
+    """wait after a first 429; x1.5 per further attempt, plus 0-25% jitter"""
+    labeler_rate_limit_backoff_cap_s: float = 60.0
+    """longest wait after a 429"""
+    labeler_error_backoff_s: float = 2.0
+    """wait after another error, times the attempt number"""
+    labeler_error_backoff_cap_s: float = 15.0
+    """longest wait after another error"""
+    labeler_max_step_chars: int = 2000
+    """each action and observation shown to the labeller is cut to this many characters"""
+    labeler_max_new_tokens: int = 4096
+    """longest labeller reply (tokens)"""
+    labeler_log_dir: str = ""
+    """write one JSONL record per labelling request here (empty: no log)"""
+    # ---- runs (shared with tempo.py) ----
+    exp_name: str = "adca_grpo"
+    """run name prefix: runs/{exp_name}__{seed}__{time}"""
+    output_dir: str = "runs"
+    """where run directories go"""
+    track: bool = False
+    """log to Weights & Biases (mode from WANDB_MODE)"""
+    wandb_project: str = "cleanrl-agents"
+    """W&B project"""
+    save_every: int = 10
+    """checkpoint every this many updates (and at the end); 0 = only at the end"""
+    eval_every: int = 10
+    """greedy evaluation every this many updates and at the end; 0 = never"""
+    eval_games: int = 20
+    """games per evaluation split (valid_seen, valid_unseen)"""
+    resume: str = ""
+    """"" = new run, "auto" = newest checkpoint of the latest run named exp_name, or a checkpoint/run path"""
+    eval_only: str = ""
+    """evaluate this checkpoint and exit"""
+
+
+# ===== model side: identical in tempo.py and adca_grpo.py =====
+# Loading, sampling, teacher-forced logprobs, the loss and update, run logging, checkpoints and evaluation.
+# Reads only the shared Args fields; everything algorithm-specific is passed in.
+def validate_model_args(args) -> None:
+    """Fail at start, naming the flag, on any shared setting that cannot work."""
+    checks = [
+        (args.lora_rank >= 1, f"--lora-rank must be >= 1, got {args.lora_rank}"),
+        (args.lora_alpha > 0, f"--lora-alpha must be > 0, got {args.lora_alpha}"),
+        (len(args.lora_targets) >= 1, "--lora-targets must name at least one module"),
+        (args.learning_rate > 0, f"--learning-rate must be > 0, got {args.learning_rate}"),
+        (all(0 <= b < 1 for b in args.adam_betas), f"--adam-betas must lie in [0, 1), got {args.adam_betas}"),
+        (args.weight_decay >= 0, f"--weight-decay must be >= 0, got {args.weight_decay}"),
+        (args.max_grad_norm > 0, f"--max-grad-norm must be > 0, got {args.max_grad_norm}"),
+        (args.temperature > 0, f"--temperature must be > 0 (logprobs are taken at it), got {args.temperature}"),
+        (0 < args.top_p <= 1, f"--top-p must lie in (0, 1], got {args.top_p}"),
+        (args.micro_batch_tokens >= 1, f"--micro-batch-tokens must be >= 1, got {args.micro_batch_tokens}"),
+        (args.sample_batch_size >= 1, f"--sample-batch-size must be >= 1, got {args.sample_batch_size}"),
+        (args.task_types is None or set(args.task_types) <= set(common.TASK_TYPES),
+         f"--task-types must be among {common.TASK_TYPES}, got {args.task_types}"),
+        (bool(args.exp_name) and "__" not in args.exp_name and "/" not in args.exp_name,
+         f"--exp-name must be non-empty without '__' or '/', got {args.exp_name!r}"),
+        (args.save_every >= 0, f"--save-every must be >= 0, got {args.save_every}"),
+        (args.eval_every >= 0, f"--eval-every must be >= 0, got {args.eval_every}"),
+        (args.eval_games >= 0, f"--eval-games must be >= 0, got {args.eval_games}"),
+        (not (args.resume and args.eval_only), "--resume and --eval-only cannot be combined"),
+    ]  # fmt: skip
+    for ok, message in checks:
+        if not ok:
+            raise ValueError(message)
+
+
+def make_accelerator():
+    from accelerate import Accelerator
+
+    return Accelerator(cpu=not torch.cuda.is_available())
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def load_model(args, accelerator):
+    """Tokenizer (left padding), base model + one LoRA adapter, AdamW on the adapter, prepared by accelerate."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = common.resolve_model(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    on_gpu = accelerator.device.type == "cuda"
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16 if on_gpu else torch.float32)
+    if on_gpu:  # long multi-turn sequences: activations would not fit otherwise
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    lora = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, target_modules=list(args.lora_targets),
+                      lora_dropout=0.0, task_type="CAUSAL_LM")  # fmt: skip
+    model = get_peft_model(base, lora)
+    optimizer = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad],
+        lr=args.learning_rate, betas=tuple(args.adam_betas), weight_decay=args.weight_decay,
+    )  # fmt: skip
+    model, optimizer = accelerator.prepare(model, optimizer)
+    return tokenizer, model, optimizer
+
+
+def make_sampler(model, tokenizer, accelerator, args, greedy: bool = False) -> common.SampleFn:
+    """common.SampleFn over generate(): left-padded chunks of sample_batch_size prompts. A token's logprob is
+    log_softmax(raw logits / temperature), which equals a teacher-forced pass at that temperature."""
+    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+
+    @torch.no_grad()
+    def sample(prompts: list[list[int]], max_new_tokens: int) -> list[common.Completion]:
+        policy = accelerator.unwrap_model(model)
+        was_training = policy.training
+        policy.eval()
+        completions = []
+        for first in range(0, len(prompts), args.sample_batch_size):
+            chunk = prompts[first : first + args.sample_batch_size]
+            width = max(len(p) for p in chunk)
+            input_ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in chunk], device=accelerator.device)
+            attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=accelerator.device)
+            # Every sampling field is passed: the model's own generation_config would otherwise apply.
+            out = policy.generate(
+                input_ids=input_ids, attention_mask=attention_mask, do_sample=not greedy,
+                temperature=args.temperature, top_p=args.top_p, top_k=0, repetition_penalty=1.0,
+                max_new_tokens=max_new_tokens, output_logits=True, return_dict_in_generate=True,
+                pad_token_id=pad_id, eos_token_id=eos_id,
+            )  # fmt: skip
+            new_tokens = out.sequences[:, width:]
+            logprobs = torch.stack([
+                torch.log_softmax(step_logits.float() / args.temperature, dim=-1).gather(-1, new_tokens[:, i : i + 1]).squeeze(-1)
+                for i, step_logits in enumerate(out.logits)
+            ], dim=1)  # fmt: skip
+            for row_tokens, row_logprobs in zip(new_tokens.tolist(), logprobs.tolist()):
+                end = row_tokens.index(eos_id) + 1 if eos_id in row_tokens else len(row_tokens)
+                text = tokenizer.decode(row_tokens[:end], skip_special_tokens=True)
+                completions.append(common.Completion(row_tokens[:end], row_logprobs[:end], text))
+        policy.train(was_training)
+        return completions
+
+    return sample
+
+
+def token_budget_batches(lengths: Sequence[int], micro_batch_tokens: int) -> list[list[int]]:
+    """Indices grouped so that rows x longest row <= micro_batch_tokens (a longer row goes alone).
+    Sorted by length so that padding stays small."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    batches, current = [], []
+    for i in order:
+        if current and (len(current) + 1) * lengths[current[0]] > micro_batch_tokens:
+            batches.append(current)
+            current = []
+        current.append(i)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def forward_logprobs(policy, rows: list[list[int]], temperature: float, pad_id: int, device) -> torch.Tensor:
+    """Teacher-forced logprob of every token given the ones before it, at `temperature` (right-padded batch).
+    Column 0 has no prediction and is 0."""
+    width = max(len(r) for r in rows)
+    input_ids = torch.tensor([r + [pad_id] * (width - len(r)) for r in rows], device=device)
+    attention_mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows], device=device)
+    logits = policy(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, :-1].float()
+    logits = logits / temperature
+    targets = input_ids[:, 1:].unsqueeze(-1)
+    logprobs = logits.gather(-1, targets).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    return torch.nn.functional.pad(logprobs, (1, 0))
+
+
+@torch.no_grad()
+def sequence_logprobs(model, accelerator, sequences: list[list[int]], temperature: float, pad_id: int,
+                      micro_batch_tokens: int) -> list[list[float]]:  # fmt: skip
+    """Per-token logprobs of whole sequences under the current policy (no gradient)."""
+    policy = accelerator.unwrap_model(model)
+    was_training = policy.training
+    policy.eval()
+    result: list[list[float]] = [[] for _ in sequences]
+    for batch in token_budget_batches([len(s) for s in sequences], micro_batch_tokens):
+        logprobs = forward_logprobs(policy, [list(sequences[i]) for i in batch], temperature, pad_id, accelerator.device)
+        for row, i in enumerate(batch):
+            result[i] = logprobs[row, : len(sequences[i])].tolist()
+    policy.train(was_training)
+    return result
+
+
+@dataclass
+class Datum:
+    """One training sequence: per token the old (sampling) logprob, the advantage and whether it is trained."""
+
+    tokens: list[int]
+    old_logprobs: list[float]
+    advantages: list[float]
+    mask: list[float]
+
+    def __post_init__(self):
+        n = len(self.tokens)
+        if not (len(self.old_logprobs) == len(self.advantages) == len(self.mask) == n) or n < 2:
+            raise ValueError(f"datum fields must have one entry per token (>= 2 tokens), got {n} tokens")
+        if self.mask[0]:
+            raise ValueError("the first token of a datum has no prediction and cannot be trained")
+
+
+def train_step(model, optimizer, accelerator, datums: list[Datum], *, temperature: float, pad_id: int,
+               micro_batch_tokens: int, max_grad_norm: float, clip: tuple[float, float] | None = None) -> dict:  # fmt: skip
+    """One optimizer step on all datums (token-budget micro-batches, gradient accumulation).
+
+    Loss per trained token, ratio = exp(logp - old_logp): clip=None is the importance-sampling policy
+    gradient -ratio * A (Tinker style); clip=(eps_low, eps_high) is PPO's -min(ratio * A, clip(ratio) * A).
+    Token mean over the whole update, all processes together. A non-finite loss or gradient norm skips the step."""
+    policy = accelerator.unwrap_model(model)  # gradients are summed across processes by hand below
+    policy.train()
+    params = [p for p in policy.parameters() if p.requires_grad]
+    device = accelerator.device
+    local = torch.tensor([sum(sum(d.mask) for d in datums)], dtype=torch.float64, device=device)
+    total_tokens = accelerator.reduce(local, reduction="sum").item()
+    optimizer.zero_grad(set_to_none=True)
+    if total_tokens == 0:
+        return {"train/tokens": 0.0, "train/nonfinite_skipped": 0.0}
+    loss_sum = ratio_sum = clipped = 0.0
+    ratio_max = 0.0
+    for batch in token_budget_batches([len(d.tokens) for d in datums], micro_batch_tokens):
+        rows = [datums[i] for i in batch]
+        width = max(len(d.tokens) for d in rows)
+
+        def padded(field: str) -> torch.Tensor:
+            return torch.tensor([getattr(d, field) + [0.0] * (width - len(d.tokens)) for d in rows], device=device)
+
+        logprobs = forward_logprobs(policy, [d.tokens for d in rows], temperature, pad_id, device)
+        old_logprobs, advantages, mask = padded("old_logprobs"), padded("advantages"), padded("mask")
+        ratio = torch.exp(logprobs - old_logprobs)
+        if clip is None:
+            per_token = -ratio * advantages
+            is_clipped = torch.zeros_like(mask)
+        else:
+            clipped_ratio = ratio.clamp(1.0 - clip[0], 1.0 + clip[1])
+            per_token = -torch.minimum(ratio * advantages, clipped_ratio * advantages)
+            is_clipped = (clipped_ratio * advantages < ratio * advantages).float()
+        loss = (per_token * mask).sum() / total_tokens
+        loss.backward()
+        loss_sum += loss.item()
+        ratio_sum += (ratio.detach() * mask).sum().item()
+        ratio_max = max(ratio_max, (ratio.detach() * mask).max().item())
+        clipped += (is_clipped * mask).sum().item()
+    if accelerator.num_processes > 1:
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in params])
+        torch.distributed.all_reduce(flat)
+        offset = 0
+        for p in params:
+            p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
+            offset += p.numel()
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm).item()
+    sums = accelerator.reduce(torch.tensor([loss_sum, ratio_sum, clipped], dtype=torch.float64, device=device), "sum")
+    loss_total, ratio_total, clipped_total = sums.tolist()
+    ratio_max = accelerator.reduce(torch.tensor([ratio_max], device=device), "max").item() if accelerator.num_processes > 1 else ratio_max
+    finite = math.isfinite(loss_total) and math.isfinite(grad_norm)
+    if finite:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return {
+        "train/loss": loss_total, "train/tokens": total_tokens, "train/grad_norm": grad_norm,
+        "train/ratio_mean": ratio_total / total_tokens, "train/ratio_max": ratio_max,
+        "train/clip_frac": clipped_total / total_tokens, "train/nonfinite_skipped": 0.0 if finite else 1.0,
+    }  # fmt: skip
+
+
+def reduce_metrics(accelerator, metrics: dict, sum_keys: Sequence[str] = ()) -> dict:
+    """Metrics of all processes: counts in sum_keys are summed, everything else averaged over the
+    processes that report it."""
+    from accelerate.utils import gather_object
+
+    per_rank = gather_object([metrics]) if accelerator.num_processes > 1 else [metrics]
+    merged = {}
+    for key in dict.fromkeys(k for m in per_rank for k in m):
+        values = [m[key] for m in per_rank if key in m]
+        merged[key] = sum(values) if key in sum_keys else sum(values) / len(values)
+    return merged
+
+
+def new_run_dir(args) -> Path:
+    return Path(args.output_dir) / f"{args.exp_name}__{args.seed}__{int(time.time())}"
+
+
+class RunLogger:
+    """config.json, metrics.jsonl (one line per update), samples.jsonl, optional W&B, and a tqdm bar.
+    Only the main process writes."""
+
+    def __init__(self, args, run_dir: Path, accelerator, total_updates: int, first_update: int, postfix_keys=()):
+        from tqdm import tqdm
+
+        self.run_dir, self.postfix_keys = Path(run_dir), postfix_keys
+        self.active = accelerator.is_main_process
+        self.wandb = None
+        if not self.active:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
+        self.metrics_file = open(self.run_dir / "metrics.jsonl", "a")
+        self.samples_file = open(self.run_dir / "samples.jsonl", "a")
+        if args.track:
+            import wandb  # the mode comes from WANDB_MODE: never forced online
+
+            self.wandb = wandb.init(project=args.wandb_project, name=self.run_dir.name,
+                                    config=dataclasses.asdict(args), dir=str(self.run_dir))  # fmt: skip
+        self.bar = tqdm(total=total_updates, initial=first_update, desc=self.run_dir.name, dynamic_ncols=True)
+
+    def log(self, update: int, metrics: dict, samples: Sequence[dict] = ()):
+        if not self.active:
+            return
+        self.metrics_file.write(json.dumps({"update": update, **metrics}) + "\n")
+        self.metrics_file.flush()
+        for sample in samples:
+            self.samples_file.write(json.dumps({"update": update, **sample}) + "\n")
+        self.samples_file.flush()
+        numeric = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
+        if self.wandb is not None:
+            self.wandb.log(numeric, step=update)
+        self.bar.update(1)
+        self.bar.set_postfix({k.split("/")[-1]: f"{numeric[k]:.3g}" for k in self.postfix_keys if k in numeric})
+
+    def close(self):
+        if not self.active:
+            return
+        self.bar.close()
+        self.metrics_file.close()
+        self.samples_file.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def _rng_state() -> dict:
+    python = random.getstate()
+    numpy = np.random.get_state()
+    return {
+        "python": [python[0], list(python[1]), python[2]],
+        "numpy": [numpy[0], numpy[1].tolist(), numpy[2], numpy[3], numpy[4]],
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+
+
+def _set_rng_state(state: dict) -> None:
+    python, numpy = state["python"], state["numpy"]
+    random.setstate((python[0], tuple(python[1]), python[2]))
+    np.random.set_state((numpy[0], np.array(numpy[1], dtype=np.uint32), numpy[2], numpy[3], numpy[4]))
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(run_dir: Path, update: int, model, optimizer, accelerator, algorithm: str,
+                    trainer_state: dict, rank_state: dict) -> Path | None:  # fmt: skip
+    """checkpoints/update_{n:06d}/: adapter (safetensors), optimizer, RNG states and trainer_state.json of every
+    process. Written to a temporary dir and renamed, so a checkpoint dir is always complete. All processes call."""
+    from accelerate.utils import gather_object
+
+    per_rank = [{"state": rank_state, "rng": _rng_state()}]
+    per_rank = gather_object(per_rank) if accelerator.num_processes > 1 else per_rank
+    final = Path(run_dir) / "checkpoints" / f"update_{update:06d}"
+    if accelerator.is_main_process:
+        tmp = final.with_name(f".tmp_{final.name}_{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        accelerator.unwrap_model(model).save_pretrained(tmp)
+        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        torch.save([r["rng"] for r in per_rank], tmp / "rng.pt")
+        state = {"algorithm": algorithm, "update": update, **trainer_state, "rank_states": [r["state"] for r in per_rank]}
+        (tmp / "trainer_state.json").write_text(json.dumps(state))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def _checkpoints_in(run_dir: Path) -> list[Path]:
+    return sorted(p for p in (run_dir / "checkpoints").glob("update_*") if (p / "trainer_state.json").is_file())
+
+
+def find_checkpoint(args) -> Path | None:
+    """--resume: "" -> None; "auto" -> newest checkpoint of the latest run named exp_name (None if there is
+    none); a checkpoint dir; or a run dir (its newest checkpoint)."""
+    if not args.resume:
+        return None
+    if args.resume == "auto":
+        runs = sorted(Path(args.output_dir).glob(f"{args.exp_name}__*"), key=lambda p: (int(p.name.split("__")[-1]), p.name)
+                      if p.name.split("__")[-1].isdigit() else (0, p.name))  # fmt: skip
+        for run_dir in reversed(runs):
+            if checkpoints := _checkpoints_in(run_dir):
+                return checkpoints[-1]
+        return None
+    path = Path(args.resume)
+    if (path / "trainer_state.json").is_file():
+        return path
+    if checkpoints := _checkpoints_in(path):
+        return checkpoints[-1]
+    raise FileNotFoundError(f"--resume {args.resume}: no checkpoint there (expected trainer_state.json or checkpoints/)")
+
+
+def load_checkpoint(path: Path, model, optimizer, accelerator, algorithm: str) -> tuple[dict, dict]:
+    """Restore adapter, optimizer (if given) and RNG states; returns (trainer_state, this process's state)."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    state = json.loads((path / "trainer_state.json").read_text())
+    if state.get("algorithm") != algorithm:
+        raise ValueError(f"{path} is a checkpoint of {state.get('algorithm')!r}; this script trains {algorithm!r}")
+    ranks = state.pop("rank_states")
+    if len(ranks) != accelerator.num_processes:
+        raise ValueError(f"{path} was written by {len(ranks)} processes; resume it with the same number (now {accelerator.num_processes})")
+    weights = load_file(str(path / "adapter_model.safetensors"), device=str(accelerator.device))
+    set_peft_model_state_dict(accelerator.unwrap_model(model), weights)
+    if optimizer is not None:
+        optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True, map_location=accelerator.device))
+        _set_rng_state(torch.load(path / "rng.pt", weights_only=False)[accelerator.process_index])
+    return state, ranks[accelerator.process_index]
+
+
+def evaluate(sample_fn: common.SampleFn, protocol: common.ChatProtocol, accelerator, *, data_root, task_types,
+             eval_games: int, max_episode_steps: int, max_turn_tokens: int, max_trajectory_tokens: int) -> dict:  # fmt: skip
+    """Greedy episodes on the first eval_games games of valid_seen and valid_unseen (sharded over processes).
+    invalid_action_rate = turns whose reply was not an admissible action (bad format or not admissible)."""
+    from accelerate.utils import gather_object
+
+    metrics = {}
+    for split in ("valid_seen", "valid_unseen"):
+        try:
+            games = common.discover_games(data_root, split, task_types)[:eval_games]
+        except FileNotFoundError as error:
+            print(f"[eval] skipping {split}: {error}", file=sys.stderr)
+            continue
+        mine = games[accelerator.process_index :: accelerator.num_processes]
+        starts = [common.fresh_state(game, protocol) for game in mine]
+        groups = common.rollout(starts, 1, sample_fn, protocol, horizon=max_episode_steps, max_episode_steps=max_episode_steps,
+                                max_turn_tokens=max_turn_tokens, max_trajectory_tokens=max_trajectory_tokens) if starts else []  # fmt: skip
+        results = [
+            {"task_type": common.load_task_type(traj.start.game_file), "won": traj.won, "steps": len(traj.steps),
+             "inadmissible": sum(not step.admissible for step in traj.steps)}
+            for group in groups for traj in group
+        ]  # fmt: skip
+        results = gather_object(results) if accelerator.num_processes > 1 else results
+        if not results:
+            continue
+        won = [r for r in results if r["won"]]
+        metrics[f"eval/{split}/success_rate"] = len(won) / len(results)
+        if won:
+            metrics[f"eval/{split}/mean_steps_to_success"] = sum(r["steps"] for r in won) / len(won)
+        metrics[f"eval/{split}/invalid_action_rate"] = sum(r["inadmissible"] for r in results) / max(1, sum(r["steps"] for r in results))
+        for task_type in sorted({r["task_type"] for r in results}):
+            of_type = [r["won"] for r in results if r["task_type"] == task_type]
+            metrics[f"eval/{split}/success/{task_type}"] = sum(of_type) / len(of_type)
+    return metrics
+
+
+def close_distributed() -> None:
+    """Two-process CPU runs have hung at exit without this."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+# ===== end model side =====
+
+
+# =============================================================================================
+# ADCA step 4: decouple fusion of step labels and outcomes -> step rewards -> token advantages
+# =============================================================================================
+EPS = 1e-8
+
+
+def group_outcome_advantages(orm_scores: Sequence[float], group_ids: Sequence[int]) -> list[float]:
+    """GRPO's outcome advantage: z-score of the outcome within its group (only centred when the
+    group's outcomes are all equal, so a uniform group gets exactly 0)."""
+    members = defaultdict(list)
+    for i, group in enumerate(group_ids):
+        members[group].append(i)
+    advantages = [0.0] * len(orm_scores)
+    for idxs in members.values():
+        scores = [float(orm_scores[i]) for i in idxs]
+        mean = math.fsum(scores) / len(scores)
+        std = math.sqrt(math.fsum((s - mean) ** 2 for s in scores) / len(scores))  # population std
+        for i, score in zip(idxs, scores):
+            advantages[i] = score - mean if std <= EPS else (score - mean) / (std + 1e-12)
+    return advantages
+
+
+def _prm_zscores(step_flags: Sequence[Sequence[bool]], group_ids: Sequence[int], fix_base: float, equal_trajectory_weight: bool) -> list[list[float]]:
+    """+fix_base for GOOD, -fix_base for BAD, z-scored within each group over its steps."""
+    raw = [[fix_base if flag else -fix_base for flag in flags] for flags in step_flags]
+    members = defaultdict(list)
+    for i, group in enumerate(group_ids):
+        if raw[i]:
+            members[group].append(i)
+    z = [[] for _ in raw]
+    for idxs in members.values():
+        if len({r for i in idxs for r in raw[i]}) == 1:
+            for i in idxs:  # all labels equal: exactly 0 (the formula gives rounding noise / sqrt(eps))
+                z[i] = [0.0] * len(raw[i])
+            continue
+        if equal_trajectory_weight:  # every trajectory weighs the same, however many steps it has
+            mean = math.fsum(math.fsum(raw[i]) / len(raw[i]) for i in idxs) / len(idxs)
+            var = math.fsum(math.fsum((r - mean) ** 2 for r in raw[i]) / len(raw[i]) for i in idxs) / len(idxs)
+            sd = math.sqrt(var + EPS)
+        else:  # every step weighs the same
+            flat = [r for i in idxs for r in raw[i]]
+            mean = math.fsum(flat) / len(flat)
+            sd = max(math.sqrt(math.fsum((r - mean) ** 2 for r in flat) / len(flat)), EPS)
+        for i in idxs:
+            z[i] = [(r - mean) / (sd + 1e-12) for r in raw[i]]
+    return z
+
+
+def _check_decouple_inputs(orm_scores, step_flags, group_ids, orm_distribution):
+    if not len(orm_scores) == len(step_flags) == len(group_ids):
+        raise ValueError(f"orm_scores, step_flags and group_ids differ in length: {len(orm_scores)}, {len(step_flags)}, {len(group_ids)}")
+    if orm_distribution not in ORM_DISTRIBUTIONS:
+        raise ValueError(f"unknown orm_distribution {orm_distribution!r}; expected one of {ORM_DISTRIBUTIONS}")
+
+
+def decouple_step_rewards(
+    orm_scores: Sequence[float],
+    step_flags: Sequence[Sequence[bool]],
+    group_ids: Sequence[int],
+    *,
+    fix_base: float,
+    alpha: float,
+    orm_distribution: str,
+    equal_trajectory_weight: bool,
+    length_normalization: bool,
+) -> list[list[float]]:
+    """AgentEvolver's `decouple` scheme: PRM labels and ORM outcomes are z-scored separately within
+    each group, then fused per step: alpha * z_prm + the outcome advantage (on the last step or on
+    every step), optionally scaled by 1/sqrt(steps). A trajectory without steps gets []."""
+    _check_decouple_inputs(orm_scores, step_flags, group_ids, orm_distribution)
+    prm_z = _prm_zscores(step_flags, group_ids, fix_base, equal_trajectory_weight)
+    outcome_adv = group_outcome_advantages(orm_scores, group_ids)
+    rewards = []
+    for z, adv in zip(prm_z, outcome_adv):
+        num_steps = len(z)
+        scale = 1.0 / math.sqrt(num_steps) if length_normalization and num_steps else 1.0
+        fused = [alpha * zj + (adv if orm_distribution == "all_steps" or j == num_steps - 1 else 0.0) for j, zj in enumerate(z)]
+        rewards.append([c * scale for c in fused])
+    return rewards
+
+
+def decouple_health_metrics(
+    orm_scores: Sequence[float],
+    step_flags: Sequence[Sequence[bool]],
+    group_ids: Sequence[int],
+    *,
+    fix_base: float,
+    alpha: float,
+    orm_distribution: str,
+    equal_trajectory_weight: bool,
+    length_normalization: bool,
+) -> dict[str, float]:
+    """AgentEvolver's decouple dashboard: how large the attribution term is next to the outcome term
+    and whether the labels agree with the outcomes. A trajectory is positive when its score is > 0."""
+    _check_decouple_inputs(orm_scores, step_flags, group_ids, orm_distribution)
+    prm_z = _prm_zscores(step_flags, group_ids, fix_base, equal_trajectory_weight)
+    outcome_adv = group_outcome_advantages(orm_scores, group_ids)
+    fused = decouple_step_rewards(orm_scores, step_flags, group_ids, fix_base=fix_base, alpha=alpha, orm_distribution=orm_distribution,
+                                  equal_trajectory_weight=equal_trajectory_weight, length_normalization=length_normalization)  # fmt: skip
+    attr_values, out_values, shares, alpha_ratios, sign_agree = [], [], [], [], []
+    positives = positive_good_majority = negatives = negative_bad_majority = 0
+    for i, z in enumerate(prm_z):
+        if not z:
+            continue
+        attr_values += z
+        out_values.append(outcome_adv[i])
+        attr_abs = math.fsum(abs(alpha * zj) for zj in z)
+        out_last = abs(outcome_adv[i])
+        out_abs = out_last * (len(z) if orm_distribution == "all_steps" else 1)
+        shares.append(out_last / (out_last + attr_abs + 1e-12))
+        alpha_ratios.append(attr_abs / (out_abs + 1e-12))
+        positive = float(orm_scores[i]) > 0
+        sign_agree.append(float((math.fsum(fused[i]) > 0) == positive))
+        num_good = sum(bool(f) for f in step_flags[i])
+        if positive:
+            positives += 1
+            positive_good_majority += num_good > len(z) - num_good
+        else:
+            negatives += 1
+            negative_bad_majority += num_good <= len(z) - num_good
+
+    def mean(values):
+        return math.fsum(values) / len(values) if values else 0.0
+
+    def std(values):
+        m = mean(values)
+        return math.sqrt(mean([(v - m) ** 2 for v in values])) if values else 0.0
+
+    return {
+        "prm/decouple/attr_mean": mean(attr_values),
+        "prm/decouple/attr_std": std(attr_values),
+        "prm/decouple/out_mean": mean(out_values),
+        "prm/decouple/out_std": std(out_values),
+        "prm/decouple/outcome_share_last_mean": mean(shares),
+        "prm/decouple/alpha_effective": mean(alpha_ratios),
+        "prm/decouple/sum_step_reward_sign_agree": mean(sign_agree),
+        "prm/decouple/pos_traj_prm_good_majority_rate": positive_good_majority / max(1, positives),
+        "prm/decouple/neg_traj_prm_bad_majority_rate": negative_bad_majority / max(1, negatives),
+    }
+
+
+def suffix_sum(step_rewards: Sequence[Sequence[float]]) -> list[list[float]]:
+    """Advantage of step j = sum of the step rewards from j to the end: [1, 2, 3] -> [6, 5, 3]."""
+    out = []
+    for rewards in step_rewards:
+        sums, running = [], 0.0
+        for reward in reversed(rewards):
+            running += reward
+            sums.append(running)
+        out.append(sums[::-1])
+    return out
+
+
+def broadcast_to_tokens(step_advantages: Sequence[Sequence[float]], step_ids: torch.Tensor) -> torch.Tensor:
+    """(B, L) step ids (-1 = context) -> (B, L) float advantages: every token generated at step k
+    gets its row's step_advantages[k]; context tokens get 0."""
+    if step_ids.dim() != 2 or len(step_advantages) != step_ids.shape[0]:
+        raise ValueError(f"step_ids must be (B, L) with B = {len(step_advantages)} rows, got shape {tuple(step_ids.shape)}")
+    width = max((len(row) for row in step_advantages), default=0)
+    table = torch.zeros(len(step_advantages), width + 1, dtype=torch.float32)  # last column: 0 for context
+    for i, row in enumerate(step_advantages):
+        table[i, : len(row)] = torch.tensor(row, dtype=torch.float32)
+    lengths = torch.tensor([len(row) for row in step_advantages]).unsqueeze(1)
+    ids = step_ids.long().cpu()
+    if bool((ids >= lengths).any()):
+        raise ValueError("step_ids refer to a step beyond the advantages given for that row")
+    index = torch.where(ids >= 0, ids, torch.full_like(ids, width))
+    return table.gather(1, index).to(step_ids.device)
+
+
+def alpha_at(update: int, args: Args) -> float:
+    """Attribution weight for this update: constant, or cosine from --alpha down to --alpha-min."""
+    if not args.attribution:
+        return 0.0
+    if args.alpha_schedule == "constant":
+        return args.alpha
+    progress = min(update / max(1, args.num_updates - 1), 1.0)
+    return args.alpha_min + 0.5 * (args.alpha - args.alpha_min) * (1.0 + math.cos(math.pi * progress))
+
+
+# =============================================================================================
+# ADCA step 3: the labeller (one request per trajectory, every step judged GOOD or BAD)
+# =============================================================================================
+# Steps are numbered from 1 in the prompt ("Step 1" is the first step); parse_judgments maps them back to 0-based.
+LABEL_SYSTEM_PROMPT = (
+    "You evaluate the individual steps of an agent that played a household text game (ALFWorld). You receive the "
+    "task, the numbered steps (the action the agent sent and what the game answered) and the episode's overall "
+    "score. A positive score means this attempt ended better than the other attempts at the same task; a negative "
+    "score means it ended worse.\n"
+    "- If the score is positive, a step is GOOD when it moved the agent closer to completing the task (going where "
+    "the needed object or receptacle is, taking, cleaning, heating, cooling or placing the right object) and BAD when "
+    "it was useless, repeated, invalid or harmful.\n"
+    "- If the score is negative, a step is GOOD only when it clearly made progress or corrected an earlier mistake; "
+    "otherwise it is BAD.\n"
+    "Judge what each action actually did, as the observations show. Reply in the required format and nothing else."
+)
+
+
+JUDGMENT_PATTERN = re.compile(r"\bstep\s+(\d{1,6})\s*judg(?:e)?ment\s*:\s*(good|bad)\b", re.IGNORECASE)
+
+
+def parse_judgments(text: str, num_steps: int) -> list[bool] | None:
+    """GOOD/BAD flags (True = GOOD) for steps 0..num_steps-1 from `Step i Judgment: GOOD|BAD` lines,
+    where i counts from 1 as in the prompt. Case-insensitive, markdown emphasis ignored, the last
+    judgment of a step wins, numbers outside 1..num_steps are ignored. None unless every step has
+    a judgment (or the input is not text). Never raises."""
+    if not isinstance(text, str) or not isinstance(num_steps, int) or num_steps < 0:
+        return None
+    judgments = {}
+    for match in JUDGMENT_PATTERN.finditer(text.replace("*", "")):
+        step = int(match.group(1)) - 1
+        if 0 <= step < num_steps:
+            judgments[step] = match.group(2).upper() == "GOOD"
+    if len(judgments) != num_steps:
+        return None
+    return [judgments[j] for j in range(num_steps)]
+
+
+def _trim(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[:limit] + " ...[cut]"
+
+
+def describe_steps(traj: common.Trajectory) -> list[tuple[str, str]]:
+    """(action, observation) per step, as the labeller sees them."""
+    steps = []
+    for step in traj.steps:
+        if not step.valid:
+            steps.append((f"(no valid action; the reply was: {step.text.strip()})", "Invalid format: the game did not advance."))
+        else:
+            steps.append((step.action, step.observation if step.admissible else f"Not an admissible action. {step.observation}"))
+    return steps
+
+
+def build_label_messages(task: str, steps: Sequence[tuple[str, str]], overall_score: float, max_step_chars: int) -> list[dict]:
+    """The single chat request that asks for a judgment of every step of one trajectory."""
+    polarity = "positive" if overall_score > 0 else "negative"
+    lines = [f"TASK: {task}", "", f"STEPS ({len(steps)} in total):"]
+    for j, (action, observation) in enumerate(steps, start=1):
+        lines += [f"Step {j}", f"Action: {_trim(action, max_step_chars)}", f"Observation: {_trim(observation, max_step_chars)}", ""]
+    lines += [f"OVERALL SCORE: {overall_score:+.4f} ({polarity})", "",
+              f"Judge every step from 1 to {len(steps)}. Answer in exactly this format, nothing else:",
+              "Step 1 Analysis: <one or two sentences>", "Step 1 Judgment: GOOD or BAD",
+              "Step 2 Analysis: <one or two sentences>", "Step 2 Judgment: GOOD or BAD", "..."]  # fmt: skip
+    return [{"role": "system", "content": LABEL_SYSTEM_PROMPT}, {"role": "user", "content": "\n".join(lines)}]
+
+
+@dataclasses.dataclass
+class LabelRequest:
+    trajectory_id: str
+    messages: list[dict]
+    num_steps: int
+
+
+@dataclasses.dataclass
+class LabelReply:
+    text: str | None  # None: no reply (errors, refusals, deadline)
+    error: str | None
+    latency_s: float
+    attempts: int
+
+
+class ContentRefusal(Exception):
+    """The endpoint refused the request on content grounds (moderation)."""
+
+
+class ApiLabeler:
+    """Any OpenAI-compatible chat-completions endpoint, through the official async client, with this
+    script's retry policy (the client's own retries are off): 429s back off exponentially with
+    jitter, other errors linearly, two content refusals give up, and nothing outlives the deadline."""
+
+    def __init__(self, args: Args):
+        self.args = args
+        if not os.environ.get(args.labeler_api_key_env):
+            raise ValueError(
+                f"--labeler-api-key-env names {args.labeler_api_key_env}, which is not set; export the labeller's key "
+                f"there (any value, e.g. EMPTY, for a local server without auth)"
+            )
+        self.model_name = args.labeler_model
+
+    def __call__(self, requests: Sequence[LabelRequest]) -> list[LabelReply]:
+        return asyncio.run(self._label_all(requests)) if requests else []
+
+    async def _label_all(self, requests: Sequence[LabelRequest]) -> list[LabelReply]:
+        args = self.args
+        deadline = asyncio.get_running_loop().time() + args.labeler_deadline_s
+        semaphore = asyncio.Semaphore(args.labeler_concurrency)
+        client = openai.AsyncOpenAI(base_url=args.labeler_base_url, api_key=os.environ[args.labeler_api_key_env], max_retries=0)
+        async with client:
+            return list(await asyncio.gather(*(self._label_one(client, r, semaphore, deadline) for r in requests)))
+
+    async def _complete(self, client: openai.AsyncOpenAI, messages: list[dict], semaphore: asyncio.Semaphore) -> str:
+        async with semaphore:  # held only while a request is in flight, never while backing off
+            response = await client.chat.completions.create(
+                model=self.args.labeler_model, messages=messages, temperature=0.0,
+                max_tokens=self.args.labeler_max_new_tokens, timeout=self.args.labeler_timeout_s,
+            )  # fmt: skip
+        if not response.choices:
+            raise ValueError("reply without choices")
+        choice = response.choices[0]
+        if choice.finish_reason == "content_filter":
+            raise ContentRefusal("finish_reason content_filter")
+        return choice.message.content or ""
+
+    async def _label_one(self, client, request: LabelRequest, semaphore: asyncio.Semaphore, deadline: float) -> LabelReply:
+        args, loop = self.args, asyncio.get_running_loop()
+        start, refusals, error, attempts = loop.time(), 0, None, 0
+        while attempts < args.labeler_max_attempts:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                error = f"update deadline ({args.labeler_deadline_s} s) passed; last error: {error}"
+                break
+            attempts += 1
+            try:
+                text = await asyncio.wait_for(self._complete(client, request.messages, semaphore), timeout=remaining)
+                return LabelReply(text, None, loop.time() - start, attempts)
+            except TimeoutError:  # the update's deadline, not the per-request timeout (that is openai.APITimeoutError)
+                error = f"update deadline ({args.labeler_deadline_s} s) passed; last error: {error}"
+                break
+            except Exception as exc:  # noqa: BLE001 - every failure is counted, none may crash training
+                error = f"{type(exc).__name__}: {exc}"
+                message = str(exc).lower()
+                if isinstance(exc, ContentRefusal) or (isinstance(exc, openai.BadRequestError) and (
+                        "data_inspection_failed" in message or "inappropriate content" in message)):  # fmt: skip
+                    refusals += 1
+                    if refusals >= 2:
+                        break
+                if isinstance(exc, openai.RateLimitError) or "rate limit" in message or "429" in message:
+                    wait = min(args.labeler_rate_limit_backoff_s * 1.5 ** (attempts - 1), args.labeler_rate_limit_backoff_cap_s)
+                    wait *= 1.0 + 0.25 * random.random()
+                else:
+                    wait = min(args.labeler_error_backoff_s * attempts, args.labeler_error_backoff_cap_s)
+                await asyncio.sleep(max(0.0, min(wait, deadline - loop.time())))
+        return LabelReply(None, error, loop.time() - start, attempts)
+
+
+class PolicyLabeler:
+    """The policy model itself labels, greedily, in-process (no key needed). The labels are context
+    for the advantages only: their tokens never enter a training batch."""
+
+    def __init__(self, generate_greedy: Callable[[list[list[int]], int], list[common.Completion]], tokenizer, args: Args):
+        self.generate_greedy, self.tokenizer, self.args = generate_greedy, tokenizer, args
+        self.model_name = f"self:{args.model}"
+
+    def __call__(self, requests: Sequence[LabelRequest]) -> list[LabelReply]:
+        if not requests:
+            return []
+        start = time.perf_counter()
+        prompts = [self.tokenizer.apply_chat_template(r.messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+                   for r in requests]  # fmt: skip
+        completions = self.generate_greedy(prompts, self.args.labeler_max_new_tokens)
+        latency = (time.perf_counter() - start) / len(requests)
+        return [LabelReply(c.text, None, latency, 1) for c in completions]
+
+
+def label_trajectories(
+    trajectories: Sequence[common.Trajectory],
+    overall_scores: Sequence[float],
+    orm_scores: Sequence[float],
+    labeler: Callable[[Sequence[LabelRequest]], list[LabelReply]],
+    args: Args,
+    update: int,
+    rank: int = 0,
+    log_file: Path | None = None,
+) -> tuple[list[list[bool]], dict[str, float]]:
+    """GOOD/BAD flags for every step of every trajectory, and the prm/* metrics.
+
+    A trajectory skipped by --skip-type, or whose request failed or whose reply did not parse,
+    gets uniform flags: all GOOD if its overall score is > 0, else all BAD."""
+    flags: list[list[bool] | None] = [None] * len(trajectories)
+    requests, request_index, skipped = [], [], 0
+    for i, (traj, overall, orm) in enumerate(zip(trajectories, overall_scores, orm_scores)):
+        skip = (args.skip_type == "skip_small_adv" and abs(overall) < 1e-8) or (args.skip_type == "skip_all_neg" and orm <= 0)
+        if skip or not traj.steps:
+            skipped += bool(traj.steps)
+            continue
+        messages = build_label_messages(traj.start.task, describe_steps(traj), overall, args.labeler_max_step_chars)
+        requests.append(LabelRequest(f"u{update}-r{rank}-g{traj.group}-b{traj.branch}", messages, len(traj.steps)))
+        request_index.append(i)
+
+    replies = labeler(requests)
+    failures = parse_failures = judged_steps = judged_good = 0
+    latencies = []
+    for request, i, reply in zip(requests, request_index, replies):
+        parsed = parse_judgments(reply.text, request.num_steps) if reply.text is not None else None
+        failures += reply.text is None
+        parse_failures += reply.text is not None and parsed is None
+        latencies.append(reply.latency_s)
+        if parsed is not None:
+            flags[i] = parsed
+            judged_steps += len(parsed)
+            judged_good += sum(parsed)
+        if log_file is not None:
+            record = {"update": update, "trajectory_id": request.trajectory_id, "messages": request.messages, "reply": reply.text,
+                      "flags": parsed, "latency_s": round(reply.latency_s, 4), "attempts": reply.attempts,
+                      "model": labeler.model_name, "error": reply.error}  # fmt: skip
+            with open(log_file, "a") as f:
+                f.write(json.dumps(record) + "\n")
+    for i, traj in enumerate(trajectories):
+        if flags[i] is None:
+            flags[i] = [overall_scores[i] > 0] * len(traj.steps)
+    latencies.sort()
+    metrics = {
+        "prm/label_requests": float(len(requests)),
+        "prm/label_failures": float(failures),
+        "prm/parse_failures": float(parse_failures),
+        "prm/skipped": float(skipped),
+        "prm/good_rate": judged_good / judged_steps if judged_steps else 0.0,
+        "prm/latency_p50": _percentile(latencies, 0.50),
+        "prm/latency_p95": _percentile(latencies, 0.95),
+    }
+    return flags, metrics
+
+
+def _percentile(sorted_values: Sequence[float], q: float) -> float:
+    return float(sorted_values[round(q * (len(sorted_values) - 1))]) if sorted_values else 0.0
+
+
+# =============================================================================================
+# One ADCA-GRPO update
+# =============================================================================================
+def validate_args(args: Args) -> None:
+    validate_model_args(args)
+    checks = [
+        (args.num_updates >= 1, f"--num-updates must be >= 1, got {args.num_updates}"),
+        (args.games_per_update >= 1, f"--games-per-update must be >= 1, got {args.games_per_update}"),
+        (args.trajectories_per_game >= 2, f"--trajectories-per-game must be >= 2 (GRPO compares within a group), got {args.trajectories_per_game}"),
+        (args.max_turns >= 1, f"--max-turns must be >= 1, got {args.max_turns}"),
+        (args.max_turn_tokens >= 1, f"--max-turn-tokens must be >= 1, got {args.max_turn_tokens}"),
+        (args.max_trajectory_tokens > args.max_turn_tokens,
+         f"--max-trajectory-tokens ({args.max_trajectory_tokens}) must exceed --max-turn-tokens ({args.max_turn_tokens})"),
+        (0 < args.clip_eps < 1, f"--clip-eps must lie in (0, 1), got {args.clip_eps}"),
+        (args.clip_eps_high is None or args.clip_eps_high > 0, f"--clip-eps-high must be > 0, got {args.clip_eps_high}"),
+        (args.kl_beta >= 0, f"--kl-beta must be >= 0, got {args.kl_beta}"),
+        (args.alpha >= 0, f"--alpha must be >= 0, got {args.alpha}"),
+        (0 <= args.alpha_min <= args.alpha or args.alpha_schedule == "constant",
+         f"--alpha-min must lie in [0, --alpha] for the cosine schedule, got {args.alpha_min}"),
+        (args.fix_base > 0, f"--fix-base must be > 0, got {args.fix_base}"),
+        (args.prm_steps >= 0, f"--prm-steps must be >= 0, got {args.prm_steps}"),
+        (args.labeler_backend != "api" or bool(args.labeler_base_url), "--labeler-backend api needs --labeler-base-url"),
+        (args.labeler_concurrency >= 1, f"--labeler-concurrency must be >= 1, got {args.labeler_concurrency}"),
+        (args.labeler_timeout_s > 0, f"--labeler-timeout-s must be > 0, got {args.labeler_timeout_s}"),
+        (args.labeler_deadline_s > 0, f"--labeler-deadline-s must be > 0, got {args.labeler_deadline_s}"),
+        (args.labeler_max_attempts >= 1, f"--labeler-max-attempts must be >= 1, got {args.labeler_max_attempts}"),
+        (min(args.labeler_rate_limit_backoff_s, args.labeler_rate_limit_backoff_cap_s, args.labeler_error_backoff_s,
+             args.labeler_error_backoff_cap_s) >= 0, "--labeler-*-backoff-* values must be >= 0"),
+        (args.labeler_max_step_chars >= 1, f"--labeler-max-step-chars must be >= 1, got {args.labeler_max_step_chars}"),
+        (args.labeler_max_new_tokens >= 1, f"--labeler-max-new-tokens must be >= 1, got {args.labeler_max_new_tokens}"),
+    ]  # fmt: skip
+    for ok, message in checks:
+        if not ok:
+            raise ValueError(message)
+
+
+def labeler_backend(args: Args) -> str:
+    """--labeler-backend auto: the api when an endpoint is configured, else the policy itself."""
+    if args.labeler_backend != "auto":
+        return args.labeler_backend
+    return "api" if args.labeler_base_url else "self"
+
+
+@dataclass
+class Runtime:
+    args: Args
+    accelerator: object
+    tokenizer: object
+    model: object
+    optimizer: object
+    protocol: common.ChatProtocol
+    sample_fn: common.SampleFn
+    greedy_fn: common.SampleFn
+    labeler: Callable[[Sequence[LabelRequest]], list[LabelReply]] | None  # None: no labels (plain GRPO)
+    label_log: Path | None
+    data_root: str | Path
+    games: list[str]  # this process's shard of the training games, shuffled with the seed
+    game_cursor: int = 0
+
+    def fresh_state(self) -> common.SavedState:
+        """The next training game from its start (games cycle in their shuffled order)."""
+        game = self.games[self.game_cursor % len(self.games)]
+        self.game_cursor += 1
+        return common.fresh_state(game, self.protocol, seed=self.game_cursor)
+
+
+def make_runtime(args: Args, accelerator) -> Runtime:
+    """Labeller (an api one checks its key before anything loads), model, samplers and this process's games."""
+    needs_labels = args.attribution and args.alpha > 0 and args.prm_steps > 0 and not args.eval_only
+    api_labeler = ApiLabeler(args) if needs_labels and labeler_backend(args) == "api" else None
+    data_root = args.data_root or common.default_data_root()
+    tokenizer, model, optimizer = load_model(args, accelerator)
+    greedy_fn = make_sampler(model, tokenizer, accelerator, args, greedy=True)
+    labeler = (api_labeler or PolicyLabeler(greedy_fn, tokenizer, args)) if needs_labels else None
+    label_log = None
+    if args.labeler_log_dir:
+        Path(args.labeler_log_dir).mkdir(parents=True, exist_ok=True)
+        label_log = Path(args.labeler_log_dir) / f"labels_rank{accelerator.process_index}.jsonl"
+    games = common.discover_games(data_root, args.split, args.task_types, seed=args.seed)
+    games = games[accelerator.process_index :: accelerator.num_processes] or games
+    return Runtime(args, accelerator, tokenizer, model, optimizer, common.ChatProtocol(tokenizer),
+                   make_sampler(model, tokenizer, accelerator, args), greedy_fn, labeler, label_log, data_root, games)  # fmt: skip
+
+
+def rollout_metrics(trajectories: Sequence[common.Trajectory], groups: Sequence[Sequence[common.Trajectory]]) -> dict:
+    steps = [step for traj in trajectories for step in traj.steps]
+    outcomes = [{traj.won for traj in group} for group in groups if group]
+    return {
+        "rollout/success_rate": sum(t.won for t in trajectories) / max(1, len(trajectories)),
+        "rollout/steps": len(steps) / max(1, len(trajectories)),
+        "rollout/valid_format_rate": sum(s.valid for s in steps) / max(1, len(steps)),
+        "rollout/admissible_rate": sum(s.admissible for s in steps) / max(1, len(steps)),
+        "rollout/generated_tokens": float(sum(len(s.completion_tokens) for s in steps)),
+        "rollout/groups_all_won": float(sum(o == {True} for o in outcomes)),
+        "rollout/groups_all_lost": float(sum(o == {False} for o in outcomes)),
+        "rollout/restore_failures": float(sum(not group for group in groups)),
+    }
+
+
+def adca_update(rt: Runtime, update: int) -> tuple[dict, list[dict]]:
+    args, t0 = rt.args, time.time()
+    # ---- step 1: rollout. G games x N full episodes; ORM score = 1 if won else 0
+    starts = [rt.fresh_state() for _ in range(args.games_per_update)]
+    groups = common.rollout(starts, args.trajectories_per_game, rt.sample_fn, rt.protocol, horizon=args.max_turns,
+                            max_episode_steps=args.max_turns, max_turn_tokens=args.max_turn_tokens,
+                            max_trajectory_tokens=args.max_trajectory_tokens)  # fmt: skip
+    trajectories = [traj for group in groups for traj in group]
+    group_ids = [traj.group for traj in trajectories]
+    orm_scores = [1.0 if traj.won else 0.0 for traj in trajectories]
+    t_rollout = time.time()
+
+    # ---- step 2: outcome advantage per group (GRPO's advantage; the "overall score" the labeller sees)
+    outcome_advantages = group_outcome_advantages(orm_scores, group_ids)
+
+    # ---- step 3: step labels (only while attribution is on, alpha > 0 and update <= --prm-steps)
+    alpha = alpha_at(update - 1, args)
+    labelling = rt.labeler is not None and alpha > 0 and update <= args.prm_steps
+    metrics = {"prm/alpha": alpha if labelling else 0.0, "prm/labelling": float(labelling)}
+    if labelling:
+        step_flags, label_metrics = label_trajectories(trajectories, outcome_advantages, orm_scores, rt.labeler, args, update,
+                                                       rt.accelerator.process_index, rt.label_log)  # fmt: skip
+        metrics.update(label_metrics)
+    else:
+        step_flags = [[score > 0] * len(traj.steps) for traj, score in zip(trajectories, outcome_advantages)]
+    t_label = time.time()
+
+    # ---- step 4: decouple fusion -> suffix sums over steps -> token advantages (alpha 0: plain GRPO)
+    decouple = dict(fix_base=args.fix_base, alpha=alpha if labelling else 0.0, orm_distribution=args.orm_distribution,
+                    equal_trajectory_weight=args.equal_trajectory_weight, length_normalization=args.length_normalization)  # fmt: skip
+    step_advantages = suffix_sum(decouple_step_rewards(orm_scores, step_flags, group_ids, **decouple))
+    if labelling:
+        metrics.update(decouple_health_metrics(orm_scores, step_flags, group_ids, **decouple))
+    sequences = [traj.sequence() for traj in trajectories]
+    width = max((len(tokens) for tokens, _, _ in sequences), default=0)
+    step_ids = torch.tensor([ids + [-1] * (width - len(ids)) for _, _, ids in sequences], dtype=torch.long).view(len(sequences), width)
+    token_advantages = broadcast_to_tokens(step_advantages, step_ids).tolist()
+    datums = []
+    for (tokens, old_logprobs, ids), advantages in zip(sequences, token_advantages):
+        mask = [1.0 if k >= 0 else 0.0 for k in ids]
+        datums.append(Datum(list(tokens), list(old_logprobs), advantages[: len(tokens)], mask))
+    if args.kl_beta > 0 and datums:
+        # KL to the base model as per-token shaping of the advantage: E[grad log p * (log p - log p_ref)] is the KL's gradient
+        policy = rt.accelerator.unwrap_model(rt.model)
+        with policy.disable_adapter():
+            reference = sequence_logprobs(rt.model, rt.accelerator, [d.tokens for d in datums], args.temperature,
+                                          rt.tokenizer.pad_token_id, args.micro_batch_tokens)  # fmt: skip
+        log_ratios = []
+        for datum, ref in zip(datums, reference):
+            for t, trained in enumerate(datum.mask):
+                if trained:
+                    log_ratio = datum.old_logprobs[t] - ref[t]
+                    datum.advantages[t] -= args.kl_beta * log_ratio
+                    log_ratios.append(log_ratio)
+        metrics["train/kl"] = math.fsum(log_ratios) / max(1, len(log_ratios))
+
+    # ---- step 5: one PPO-clip step, token mean over the whole update
+    clip = (args.clip_eps, args.clip_eps if args.clip_eps_high is None else args.clip_eps_high)
+    metrics.update(train_step(rt.model, rt.optimizer, rt.accelerator, datums, temperature=args.temperature,
+                              pad_id=rt.tokenizer.pad_token_id, micro_batch_tokens=args.micro_batch_tokens,
+                              max_grad_norm=args.max_grad_norm, clip=clip))  # fmt: skip
+    t_update = time.time()
+
+    metrics.update(rollout_metrics(trajectories, groups))
+    generated = [a for advantages in step_advantages for a in advantages]
+    metrics["adv/step_abs_mean"] = math.fsum(abs(a) for a in generated) / max(1, len(generated))
+    metrics.update({"time/rollout": t_rollout - t0, "time/label": t_label - t_rollout, "time/update": t_update - t_label})
+    samples = [
+        {"game": traj.start.game_file, "task": traj.start.task, "won": traj.won, "stop_reason": traj.stop_reason,
+         "outcome_advantage": outcome_advantages[i], "step_flags": step_flags[i], "step_advantages": step_advantages[i],
+         "messages": traj.messages[len(traj.start.messages) :]}
+        for i, traj in enumerate(trajectories[:2])
+    ]  # fmt: skip
+    return metrics, samples
+
+
+# =============================================================================================
+# Main: set-up, resume, updates, checkpoints, evaluation
+# =============================================================================================
+SUM_KEYS = ("prm/label_requests", "prm/label_failures", "prm/parse_failures", "prm/skipped", "rollout/generated_tokens",
+            "rollout/groups_all_won", "rollout/groups_all_lost", "rollout/restore_failures")  # fmt: skip
+POSTFIX_KEYS = ("rollout/success_rate", "prm/good_rate", "prm/label_failures", "train/loss")
+
+
+def main(args: Args) -> Path | None:
+    """Train (or evaluate, with --eval-only); returns the run directory."""
+    validate_args(args)
+    accelerator = make_accelerator()
+    try:
+        return _run(args, accelerator)
+    finally:
+        close_distributed()
+
+
+def _run(args: Args, accelerator) -> Path | None:
+    seed_everything(args.seed + accelerator.process_index)
+    rt = make_runtime(args, accelerator)
+    eval_kwargs = dict(data_root=rt.data_root, task_types=args.task_types, eval_games=args.eval_games,
+                       max_episode_steps=args.max_turns, max_turn_tokens=args.max_turn_tokens,
+                       max_trajectory_tokens=args.max_trajectory_tokens)  # fmt: skip
+    if args.eval_only:
+        load_checkpoint(Path(args.eval_only), rt.model, None, accelerator, ALGORITHM)
+        metrics = evaluate(rt.greedy_fn, rt.protocol, accelerator, **eval_kwargs)
+        if accelerator.is_main_process:
+            print(json.dumps(metrics, indent=2))
+        return None
+
+    checkpoint, done = find_checkpoint(args), 0
+    if checkpoint is not None:
+        trainer_state, rank_state = load_checkpoint(checkpoint, rt.model, rt.optimizer, accelerator, ALGORITHM)
+        done, run_dir = trainer_state["update"], checkpoint.parent.parent
+        rt.game_cursor = rank_state["game_cursor"]
+    else:
+        run_dir = new_run_dir(args)
+    logger = RunLogger(args, run_dir, accelerator, args.num_updates, done, POSTFIX_KEYS)
+    if checkpoint is not None and accelerator.is_main_process:
+        print(f"resumed {checkpoint} (update {done})", file=sys.stderr)
+
+    labeler_name = labeler_backend(args) if rt.labeler is not None else "none"
+    for update in range(done + 1, args.num_updates + 1):
+        metrics, samples = adca_update(rt, update)
+        metrics = reduce_metrics(accelerator, metrics, SUM_KEYS)
+        last = update == args.num_updates
+        if args.eval_every and args.eval_games and (last or update % args.eval_every == 0):
+            metrics.update(evaluate(rt.greedy_fn, rt.protocol, accelerator, **eval_kwargs))
+        logger.log(update, {"labeler": labeler_name, **metrics}, samples)
+        if last or (args.save_every and update % args.save_every == 0):
+            save_checkpoint(run_dir, update, rt.model, rt.optimizer, accelerator, ALGORITHM, {"labeler": labeler_name},
+                            {"game_cursor": rt.game_cursor})  # fmt: skip
+    logger.close()
+    return run_dir
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

@@ -1,0 +1,94 @@
+"""Prompt and rollout-turn costs: extending the prompt at turn 1 vs turn 50 (should be flat), and
+time per rollout turn for 16 branches with the tiny model, split into sampling vs everything else.
+
+    python benchmarks/prompt.py [--data-root DIR] [--branches 16] [--turns 8]
+"""
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import common  # noqa: E402
+
+TOOL = '<tool_call>\n{"name": "alfworld_step", "arguments": {"action": "%s"}}\n</tool_call>'
+
+
+def make_sampler(model, tokenizer, clock):
+    def sample_fn(prompts, max_new_tokens):
+        start = time.perf_counter()
+        width = max(map(len, prompts))
+        ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(p)) + p for p in prompts])
+        mask = (torch.arange(width)[None] >= torch.tensor([width - len(p) for p in prompts])[:, None]).long()
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_p=1.0,
+                                 top_k=0, max_new_tokens=max_new_tokens, output_logits=True,
+                                 return_dict_in_generate=True, pad_token_id=tokenizer.pad_token_id)
+        logprobs = torch.stack(out.logits, 1).log_softmax(-1)
+        completions = []
+        for row, seq in enumerate(out.sequences[:, width:].tolist()):
+            if tokenizer.eos_token_id in seq:
+                seq = seq[: seq.index(tokenizer.eos_token_id) + 1]
+            lp = logprobs[row, torch.arange(len(seq)), seq].tolist()
+            completions.append(common.Completion(seq, lp, tokenizer.decode(seq, skip_special_tokens=True)))
+        clock["sampling"] += time.perf_counter() - start
+        return completions
+
+    return sample_fn
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data-root", default=None)
+    parser.add_argument("--branches", type=int, default=16)
+    parser.add_argument("--turns", type=int, default=8)
+    parser.add_argument("--max-turn-tokens", type=int, default=48)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    model_dir = common.resolve_model("tiny")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    protocol = common.ChatProtocol(tokenizer)
+    game_file = common.discover_games(args.data_root or common.default_data_root(), "train")[0]
+
+    # 1. prompt extension cost vs history length
+    state = common.fresh_state(game_file, protocol)
+    prompt = list(state.prefix_tokens)
+    completion = protocol.encode("I will look around.\n" + TOOL % "look") + [protocol.eos_token_id]
+    content = protocol.tool_message(common.STATUS_EXECUTED, state.observation, state.admissible)
+    per_turn = []
+    for _ in range(50):
+        start = time.perf_counter()
+        for _ in range(20):
+            delta = protocol.delta(completion, content)
+        per_turn.append((time.perf_counter() - start) / 20)
+        prompt += completion + delta
+    full = protocol.render(
+        [{"role": "system", "content": common.SYSTEM_PROMPT}, {"role": "user", "content": "x"}]
+        + [{"role": m, "content": "y"} for _ in range(50) for m in ("assistant", "tool")], True)
+    start = time.perf_counter()
+    protocol.encode(full)
+    retokenise = time.perf_counter() - start
+    print(f"prompt extension: turn 1 {per_turn[0] * 1e6:.0f} us, turn 50 {per_turn[-1] * 1e6:.0f} us "
+          f"(ratio {per_turn[-1] / per_turn[0]:.2f}); prompt at turn 50 = {len(prompt)} tokens; "
+          f"re-rendering + tokenising a 50-turn chat instead: {retokenise * 1e6:.0f} us")
+
+    # 2. rollout turn time, sampling vs the rest
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    clock = {"sampling": 0.0}
+    start = time.perf_counter()
+    groups = common.rollout([state], args.branches, make_sampler(model, tokenizer, clock), protocol,
+                            horizon=args.turns, max_episode_steps=50, max_turn_tokens=args.max_turn_tokens,
+                            max_trajectory_tokens=32_000)
+    total = time.perf_counter() - start
+    turns = max(len(t.steps) for t in groups[0])
+    print(f"rollout: {args.branches} branches x {turns} turns in {total:.2f} s = {total / turns * 1e3:.0f} ms/turn: "
+          f"sampling {clock['sampling'] / turns * 1e3:.0f} ms, everything else "
+          f"{(total - clock['sampling']) / turns * 1e3:.0f} ms (env, parsing, prompt deltas, restore)")
+
+
+if __name__ == "__main__":
+    main()

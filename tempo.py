@@ -1,0 +1,1024 @@
+"""TEMPO: macro-step policy optimization for long-horizon LLM agents in ALFWorld (CleanRL style, one file).
+
+One LoRA policy plays two roles. As the ACTOR it plays the game through tool calls. As the CRITIC it reads
+the task, a condensed history and the game's walkthrough (privileged: never in actor prompts) and answers
+with `<value>p</value>`, the chance that the agent still wins. An episode of T turns is cut into macro steps
+of H turns. Each update restores saved mid-episode states, runs N branches for one macro step, values the
+branches' endpoints with the critic (TD bootstrap), gives every branch the advantage R_n - mean(R) with
+R_n = segment reward + V(endpoint), trains the critic towards mean(R) from the start state, and puts the
+endpoints back into a FIFO state store so later updates start from them.
+
+Phase 1 (value warm-up) trains the critic alone on Monte-Carlo returns of full games.
+Phase 2 (TD loop) trains actor and critic together, in one forward/backward and one optimizer step.
+
+    accelerate launch tempo.py --td-updates 40
+    python tempo.py --model tiny --help
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import random
+import re
+import shutil
+import statistics
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Sequence
+
+import numpy as np
+import torch
+import tyro
+
+import common
+
+ALGORITHM = "tempo"
+
+
+@dataclass
+class Args:
+    # ---- model and optimisation (shared with adca_grpo.py) ----
+    model: str = "Qwen/Qwen3-4B-Instruct-2507"
+    """HF model id or local path; `tiny` = the offline tiny model (tests, smoke runs)"""
+    lora_rank: int = 32
+    """LoRA rank of the one adapter shared by actor and critic"""
+    lora_alpha: int = 64
+    """LoRA alpha (scale = alpha / rank)"""
+    lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    """module names that get LoRA adapters"""
+    learning_rate: float = 1e-6
+    """AdamW learning rate"""
+    adam_betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW betas"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping threshold (global L2 norm)"""
+    temperature: float = 1.0
+    """sampling temperature (logprobs are taken at this temperature too)"""
+    top_p: float = 1.0
+    """nucleus sampling threshold"""
+    micro_batch_tokens: int = 16384
+    """token budget of one forward/backward micro-batch (rows x padded length); gradients accumulate"""
+    sample_batch_size: int = 32
+    """prompts per generate() call"""
+    # ---- data ----
+    data_root: str | None = None
+    """ALFWorld data dir holding json_2.1.1/ (None = the generated offline game set)"""
+    split: Literal["train", "valid_seen", "valid_unseen"] = "train"
+    """split the training games come from"""
+    task_types: tuple[str, ...] | None = None
+    """ALFWorld task types to train on (None = all six)"""
+    seed: int = 1
+    """seed of games order, sampling and the state store"""
+    # ---- TEMPO ----
+    macro_rounds: int = 10
+    """H: turns per macro step (one TD segment)"""
+    max_episode_steps: int = 50
+    """T: turns per episode; a multiple of H"""
+    branches: int = 4
+    """N: branches rolled out from every start state"""
+    critic_samples: int = 4
+    """K: critic samples on every start state (their rewards are centred within the K)"""
+    endpoint_samples: int = 2
+    """critic samples averaged into the value of one branch endpoint"""
+    states_per_batch: int = 4
+    """start states per TD update (per process)"""
+    warmup_updates: int = 4
+    """phase 1: critic-only updates on Monte-Carlo returns"""
+    warmup_games_per_batch: int = 4
+    """phase 1: fresh games per warm-up update (each played by N full trajectories)"""
+    td_updates: int = 40
+    """phase 2: TD updates (actor + critic)"""
+    state_store_capacity: int = 256
+    """FIFO capacity of the store of macro-boundary states"""
+    r_max: float = 1.0
+    """return range used to normalise the critic reward -|V - G| / r_max"""
+    prefix_is_correction: bool = False
+    """weight a stored state's actor advantages by p_now(prefix) / p_old(prefix)"""
+    prefix_is_max_weight: float = 2.0
+    """ceiling of the prefix importance weight"""
+    max_trajectory_tokens: int = 24576
+    """token budget of one episode's prompt (a branch stops before overflowing it)"""
+    max_turn_tokens: int = 512
+    """new tokens per actor turn"""
+    max_critic_tokens: int = 512
+    """new tokens per critic reply"""
+    # ---- runs (shared with adca_grpo.py) ----
+    exp_name: str = "tempo"
+    """run name prefix: runs/{exp_name}__{seed}__{time}"""
+    output_dir: str = "runs"
+    """where run directories go"""
+    track: bool = False
+    """log to Weights & Biases (mode from WANDB_MODE)"""
+    wandb_project: str = "cleanrl-agents"
+    """W&B project"""
+    save_every: int = 10
+    """checkpoint every this many updates (and at the end); 0 = only at the end"""
+    eval_every: int = 10
+    """greedy evaluation every this many updates and at the end; 0 = never"""
+    eval_games: int = 20
+    """games per evaluation split (valid_seen, valid_unseen)"""
+    resume: str = ""
+    """"" = new run, "auto" = newest checkpoint of the latest run named exp_name, or a checkpoint/run path"""
+    eval_only: str = ""
+    """evaluate this checkpoint and exit"""
+
+
+# ===== model side: identical in tempo.py and adca_grpo.py =====
+# Loading, sampling, teacher-forced logprobs, the loss and update, run logging, checkpoints and evaluation.
+# Reads only the shared Args fields; everything algorithm-specific is passed in.
+def validate_model_args(args) -> None:
+    """Fail at start, naming the flag, on any shared setting that cannot work."""
+    checks = [
+        (args.lora_rank >= 1, f"--lora-rank must be >= 1, got {args.lora_rank}"),
+        (args.lora_alpha > 0, f"--lora-alpha must be > 0, got {args.lora_alpha}"),
+        (len(args.lora_targets) >= 1, "--lora-targets must name at least one module"),
+        (args.learning_rate > 0, f"--learning-rate must be > 0, got {args.learning_rate}"),
+        (all(0 <= b < 1 for b in args.adam_betas), f"--adam-betas must lie in [0, 1), got {args.adam_betas}"),
+        (args.weight_decay >= 0, f"--weight-decay must be >= 0, got {args.weight_decay}"),
+        (args.max_grad_norm > 0, f"--max-grad-norm must be > 0, got {args.max_grad_norm}"),
+        (args.temperature > 0, f"--temperature must be > 0 (logprobs are taken at it), got {args.temperature}"),
+        (0 < args.top_p <= 1, f"--top-p must lie in (0, 1], got {args.top_p}"),
+        (args.micro_batch_tokens >= 1, f"--micro-batch-tokens must be >= 1, got {args.micro_batch_tokens}"),
+        (args.sample_batch_size >= 1, f"--sample-batch-size must be >= 1, got {args.sample_batch_size}"),
+        (args.task_types is None or set(args.task_types) <= set(common.TASK_TYPES),
+         f"--task-types must be among {common.TASK_TYPES}, got {args.task_types}"),
+        (bool(args.exp_name) and "__" not in args.exp_name and "/" not in args.exp_name,
+         f"--exp-name must be non-empty without '__' or '/', got {args.exp_name!r}"),
+        (args.save_every >= 0, f"--save-every must be >= 0, got {args.save_every}"),
+        (args.eval_every >= 0, f"--eval-every must be >= 0, got {args.eval_every}"),
+        (args.eval_games >= 0, f"--eval-games must be >= 0, got {args.eval_games}"),
+        (not (args.resume and args.eval_only), "--resume and --eval-only cannot be combined"),
+    ]  # fmt: skip
+    for ok, message in checks:
+        if not ok:
+            raise ValueError(message)
+
+
+def make_accelerator():
+    from accelerate import Accelerator
+
+    return Accelerator(cpu=not torch.cuda.is_available())
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def load_model(args, accelerator):
+    """Tokenizer (left padding), base model + one LoRA adapter, AdamW on the adapter, prepared by accelerate."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = common.resolve_model(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    on_gpu = accelerator.device.type == "cuda"
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16 if on_gpu else torch.float32)
+    if on_gpu:  # long multi-turn sequences: activations would not fit otherwise
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    lora = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, target_modules=list(args.lora_targets),
+                      lora_dropout=0.0, task_type="CAUSAL_LM")  # fmt: skip
+    model = get_peft_model(base, lora)
+    optimizer = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad],
+        lr=args.learning_rate, betas=tuple(args.adam_betas), weight_decay=args.weight_decay,
+    )  # fmt: skip
+    model, optimizer = accelerator.prepare(model, optimizer)
+    return tokenizer, model, optimizer
+
+
+def make_sampler(model, tokenizer, accelerator, args, greedy: bool = False) -> common.SampleFn:
+    """common.SampleFn over generate(): left-padded chunks of sample_batch_size prompts. A token's logprob is
+    log_softmax(raw logits / temperature), which equals a teacher-forced pass at that temperature."""
+    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+
+    @torch.no_grad()
+    def sample(prompts: list[list[int]], max_new_tokens: int) -> list[common.Completion]:
+        policy = accelerator.unwrap_model(model)
+        was_training = policy.training
+        policy.eval()
+        completions = []
+        for first in range(0, len(prompts), args.sample_batch_size):
+            chunk = prompts[first : first + args.sample_batch_size]
+            width = max(len(p) for p in chunk)
+            input_ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in chunk], device=accelerator.device)
+            attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=accelerator.device)
+            # Every sampling field is passed: the model's own generation_config would otherwise apply.
+            out = policy.generate(
+                input_ids=input_ids, attention_mask=attention_mask, do_sample=not greedy,
+                temperature=args.temperature, top_p=args.top_p, top_k=0, repetition_penalty=1.0,
+                max_new_tokens=max_new_tokens, output_logits=True, return_dict_in_generate=True,
+                pad_token_id=pad_id, eos_token_id=eos_id,
+            )  # fmt: skip
+            new_tokens = out.sequences[:, width:]
+            logprobs = torch.stack([
+                torch.log_softmax(step_logits.float() / args.temperature, dim=-1).gather(-1, new_tokens[:, i : i + 1]).squeeze(-1)
+                for i, step_logits in enumerate(out.logits)
+            ], dim=1)  # fmt: skip
+            for row_tokens, row_logprobs in zip(new_tokens.tolist(), logprobs.tolist()):
+                end = row_tokens.index(eos_id) + 1 if eos_id in row_tokens else len(row_tokens)
+                text = tokenizer.decode(row_tokens[:end], skip_special_tokens=True)
+                completions.append(common.Completion(row_tokens[:end], row_logprobs[:end], text))
+        policy.train(was_training)
+        return completions
+
+    return sample
+
+
+def token_budget_batches(lengths: Sequence[int], micro_batch_tokens: int) -> list[list[int]]:
+    """Indices grouped so that rows x longest row <= micro_batch_tokens (a longer row goes alone).
+    Sorted by length so that padding stays small."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    batches, current = [], []
+    for i in order:
+        if current and (len(current) + 1) * lengths[current[0]] > micro_batch_tokens:
+            batches.append(current)
+            current = []
+        current.append(i)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def forward_logprobs(policy, rows: list[list[int]], temperature: float, pad_id: int, device) -> torch.Tensor:
+    """Teacher-forced logprob of every token given the ones before it, at `temperature` (right-padded batch).
+    Column 0 has no prediction and is 0."""
+    width = max(len(r) for r in rows)
+    input_ids = torch.tensor([r + [pad_id] * (width - len(r)) for r in rows], device=device)
+    attention_mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows], device=device)
+    logits = policy(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, :-1].float()
+    logits = logits / temperature
+    targets = input_ids[:, 1:].unsqueeze(-1)
+    logprobs = logits.gather(-1, targets).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    return torch.nn.functional.pad(logprobs, (1, 0))
+
+
+@torch.no_grad()
+def sequence_logprobs(model, accelerator, sequences: list[list[int]], temperature: float, pad_id: int,
+                      micro_batch_tokens: int) -> list[list[float]]:  # fmt: skip
+    """Per-token logprobs of whole sequences under the current policy (no gradient)."""
+    policy = accelerator.unwrap_model(model)
+    was_training = policy.training
+    policy.eval()
+    result: list[list[float]] = [[] for _ in sequences]
+    for batch in token_budget_batches([len(s) for s in sequences], micro_batch_tokens):
+        logprobs = forward_logprobs(policy, [list(sequences[i]) for i in batch], temperature, pad_id, accelerator.device)
+        for row, i in enumerate(batch):
+            result[i] = logprobs[row, : len(sequences[i])].tolist()
+    policy.train(was_training)
+    return result
+
+
+@dataclass
+class Datum:
+    """One training sequence: per token the old (sampling) logprob, the advantage and whether it is trained."""
+
+    tokens: list[int]
+    old_logprobs: list[float]
+    advantages: list[float]
+    mask: list[float]
+
+    def __post_init__(self):
+        n = len(self.tokens)
+        if not (len(self.old_logprobs) == len(self.advantages) == len(self.mask) == n) or n < 2:
+            raise ValueError(f"datum fields must have one entry per token (>= 2 tokens), got {n} tokens")
+        if self.mask[0]:
+            raise ValueError("the first token of a datum has no prediction and cannot be trained")
+
+
+def train_step(model, optimizer, accelerator, datums: list[Datum], *, temperature: float, pad_id: int,
+               micro_batch_tokens: int, max_grad_norm: float, clip: tuple[float, float] | None = None) -> dict:  # fmt: skip
+    """One optimizer step on all datums (token-budget micro-batches, gradient accumulation).
+
+    Loss per trained token, ratio = exp(logp - old_logp): clip=None is the importance-sampling policy
+    gradient -ratio * A (Tinker style); clip=(eps_low, eps_high) is PPO's -min(ratio * A, clip(ratio) * A).
+    Token mean over the whole update, all processes together. A non-finite loss or gradient norm skips the step."""
+    policy = accelerator.unwrap_model(model)  # gradients are summed across processes by hand below
+    policy.train()
+    params = [p for p in policy.parameters() if p.requires_grad]
+    device = accelerator.device
+    local = torch.tensor([sum(sum(d.mask) for d in datums)], dtype=torch.float64, device=device)
+    total_tokens = accelerator.reduce(local, reduction="sum").item()
+    optimizer.zero_grad(set_to_none=True)
+    if total_tokens == 0:
+        return {"train/tokens": 0.0, "train/nonfinite_skipped": 0.0}
+    loss_sum = ratio_sum = clipped = 0.0
+    ratio_max = 0.0
+    for batch in token_budget_batches([len(d.tokens) for d in datums], micro_batch_tokens):
+        rows = [datums[i] for i in batch]
+        width = max(len(d.tokens) for d in rows)
+
+        def padded(field: str) -> torch.Tensor:
+            return torch.tensor([getattr(d, field) + [0.0] * (width - len(d.tokens)) for d in rows], device=device)
+
+        logprobs = forward_logprobs(policy, [d.tokens for d in rows], temperature, pad_id, device)
+        old_logprobs, advantages, mask = padded("old_logprobs"), padded("advantages"), padded("mask")
+        ratio = torch.exp(logprobs - old_logprobs)
+        if clip is None:
+            per_token = -ratio * advantages
+            is_clipped = torch.zeros_like(mask)
+        else:
+            clipped_ratio = ratio.clamp(1.0 - clip[0], 1.0 + clip[1])
+            per_token = -torch.minimum(ratio * advantages, clipped_ratio * advantages)
+            is_clipped = (clipped_ratio * advantages < ratio * advantages).float()
+        loss = (per_token * mask).sum() / total_tokens
+        loss.backward()
+        loss_sum += loss.item()
+        ratio_sum += (ratio.detach() * mask).sum().item()
+        ratio_max = max(ratio_max, (ratio.detach() * mask).max().item())
+        clipped += (is_clipped * mask).sum().item()
+    if accelerator.num_processes > 1:
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in params])
+        torch.distributed.all_reduce(flat)
+        offset = 0
+        for p in params:
+            p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
+            offset += p.numel()
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm).item()
+    sums = accelerator.reduce(torch.tensor([loss_sum, ratio_sum, clipped], dtype=torch.float64, device=device), "sum")
+    loss_total, ratio_total, clipped_total = sums.tolist()
+    ratio_max = accelerator.reduce(torch.tensor([ratio_max], device=device), "max").item() if accelerator.num_processes > 1 else ratio_max
+    finite = math.isfinite(loss_total) and math.isfinite(grad_norm)
+    if finite:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return {
+        "train/loss": loss_total, "train/tokens": total_tokens, "train/grad_norm": grad_norm,
+        "train/ratio_mean": ratio_total / total_tokens, "train/ratio_max": ratio_max,
+        "train/clip_frac": clipped_total / total_tokens, "train/nonfinite_skipped": 0.0 if finite else 1.0,
+    }  # fmt: skip
+
+
+def reduce_metrics(accelerator, metrics: dict, sum_keys: Sequence[str] = ()) -> dict:
+    """Metrics of all processes: counts in sum_keys are summed, everything else averaged over the
+    processes that report it."""
+    from accelerate.utils import gather_object
+
+    per_rank = gather_object([metrics]) if accelerator.num_processes > 1 else [metrics]
+    merged = {}
+    for key in dict.fromkeys(k for m in per_rank for k in m):
+        values = [m[key] for m in per_rank if key in m]
+        merged[key] = sum(values) if key in sum_keys else sum(values) / len(values)
+    return merged
+
+
+def new_run_dir(args) -> Path:
+    return Path(args.output_dir) / f"{args.exp_name}__{args.seed}__{int(time.time())}"
+
+
+class RunLogger:
+    """config.json, metrics.jsonl (one line per update), samples.jsonl, optional W&B, and a tqdm bar.
+    Only the main process writes."""
+
+    def __init__(self, args, run_dir: Path, accelerator, total_updates: int, first_update: int, postfix_keys=()):
+        from tqdm import tqdm
+
+        self.run_dir, self.postfix_keys = Path(run_dir), postfix_keys
+        self.active = accelerator.is_main_process
+        self.wandb = None
+        if not self.active:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
+        self.metrics_file = open(self.run_dir / "metrics.jsonl", "a")
+        self.samples_file = open(self.run_dir / "samples.jsonl", "a")
+        if args.track:
+            import wandb  # the mode comes from WANDB_MODE: never forced online
+
+            self.wandb = wandb.init(project=args.wandb_project, name=self.run_dir.name,
+                                    config=dataclasses.asdict(args), dir=str(self.run_dir))  # fmt: skip
+        self.bar = tqdm(total=total_updates, initial=first_update, desc=self.run_dir.name, dynamic_ncols=True)
+
+    def log(self, update: int, metrics: dict, samples: Sequence[dict] = ()):
+        if not self.active:
+            return
+        self.metrics_file.write(json.dumps({"update": update, **metrics}) + "\n")
+        self.metrics_file.flush()
+        for sample in samples:
+            self.samples_file.write(json.dumps({"update": update, **sample}) + "\n")
+        self.samples_file.flush()
+        numeric = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
+        if self.wandb is not None:
+            self.wandb.log(numeric, step=update)
+        self.bar.update(1)
+        self.bar.set_postfix({k.split("/")[-1]: f"{numeric[k]:.3g}" for k in self.postfix_keys if k in numeric})
+
+    def close(self):
+        if not self.active:
+            return
+        self.bar.close()
+        self.metrics_file.close()
+        self.samples_file.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def _rng_state() -> dict:
+    python = random.getstate()
+    numpy = np.random.get_state()
+    return {
+        "python": [python[0], list(python[1]), python[2]],
+        "numpy": [numpy[0], numpy[1].tolist(), numpy[2], numpy[3], numpy[4]],
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+
+
+def _set_rng_state(state: dict) -> None:
+    python, numpy = state["python"], state["numpy"]
+    random.setstate((python[0], tuple(python[1]), python[2]))
+    np.random.set_state((numpy[0], np.array(numpy[1], dtype=np.uint32), numpy[2], numpy[3], numpy[4]))
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(run_dir: Path, update: int, model, optimizer, accelerator, algorithm: str,
+                    trainer_state: dict, rank_state: dict) -> Path | None:  # fmt: skip
+    """checkpoints/update_{n:06d}/: adapter (safetensors), optimizer, RNG states and trainer_state.json of every
+    process. Written to a temporary dir and renamed, so a checkpoint dir is always complete. All processes call."""
+    from accelerate.utils import gather_object
+
+    per_rank = [{"state": rank_state, "rng": _rng_state()}]
+    per_rank = gather_object(per_rank) if accelerator.num_processes > 1 else per_rank
+    final = Path(run_dir) / "checkpoints" / f"update_{update:06d}"
+    if accelerator.is_main_process:
+        tmp = final.with_name(f".tmp_{final.name}_{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        accelerator.unwrap_model(model).save_pretrained(tmp)
+        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        torch.save([r["rng"] for r in per_rank], tmp / "rng.pt")
+        state = {"algorithm": algorithm, "update": update, **trainer_state, "rank_states": [r["state"] for r in per_rank]}
+        (tmp / "trainer_state.json").write_text(json.dumps(state))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def _checkpoints_in(run_dir: Path) -> list[Path]:
+    return sorted(p for p in (run_dir / "checkpoints").glob("update_*") if (p / "trainer_state.json").is_file())
+
+
+def find_checkpoint(args) -> Path | None:
+    """--resume: "" -> None; "auto" -> newest checkpoint of the latest run named exp_name (None if there is
+    none); a checkpoint dir; or a run dir (its newest checkpoint)."""
+    if not args.resume:
+        return None
+    if args.resume == "auto":
+        runs = sorted(Path(args.output_dir).glob(f"{args.exp_name}__*"), key=lambda p: (int(p.name.split("__")[-1]), p.name)
+                      if p.name.split("__")[-1].isdigit() else (0, p.name))  # fmt: skip
+        for run_dir in reversed(runs):
+            if checkpoints := _checkpoints_in(run_dir):
+                return checkpoints[-1]
+        return None
+    path = Path(args.resume)
+    if (path / "trainer_state.json").is_file():
+        return path
+    if checkpoints := _checkpoints_in(path):
+        return checkpoints[-1]
+    raise FileNotFoundError(f"--resume {args.resume}: no checkpoint there (expected trainer_state.json or checkpoints/)")
+
+
+def load_checkpoint(path: Path, model, optimizer, accelerator, algorithm: str) -> tuple[dict, dict]:
+    """Restore adapter, optimizer (if given) and RNG states; returns (trainer_state, this process's state)."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    state = json.loads((path / "trainer_state.json").read_text())
+    if state.get("algorithm") != algorithm:
+        raise ValueError(f"{path} is a checkpoint of {state.get('algorithm')!r}; this script trains {algorithm!r}")
+    ranks = state.pop("rank_states")
+    if len(ranks) != accelerator.num_processes:
+        raise ValueError(f"{path} was written by {len(ranks)} processes; resume it with the same number (now {accelerator.num_processes})")
+    weights = load_file(str(path / "adapter_model.safetensors"), device=str(accelerator.device))
+    set_peft_model_state_dict(accelerator.unwrap_model(model), weights)
+    if optimizer is not None:
+        optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True, map_location=accelerator.device))
+        _set_rng_state(torch.load(path / "rng.pt", weights_only=False)[accelerator.process_index])
+    return state, ranks[accelerator.process_index]
+
+
+def evaluate(sample_fn: common.SampleFn, protocol: common.ChatProtocol, accelerator, *, data_root, task_types,
+             eval_games: int, max_episode_steps: int, max_turn_tokens: int, max_trajectory_tokens: int) -> dict:  # fmt: skip
+    """Greedy episodes on the first eval_games games of valid_seen and valid_unseen (sharded over processes).
+    invalid_action_rate = turns whose reply was not an admissible action (bad format or not admissible)."""
+    from accelerate.utils import gather_object
+
+    metrics = {}
+    for split in ("valid_seen", "valid_unseen"):
+        try:
+            games = common.discover_games(data_root, split, task_types)[:eval_games]
+        except FileNotFoundError as error:
+            print(f"[eval] skipping {split}: {error}", file=sys.stderr)
+            continue
+        mine = games[accelerator.process_index :: accelerator.num_processes]
+        starts = [common.fresh_state(game, protocol) for game in mine]
+        groups = common.rollout(starts, 1, sample_fn, protocol, horizon=max_episode_steps, max_episode_steps=max_episode_steps,
+                                max_turn_tokens=max_turn_tokens, max_trajectory_tokens=max_trajectory_tokens) if starts else []  # fmt: skip
+        results = [
+            {"task_type": common.load_task_type(traj.start.game_file), "won": traj.won, "steps": len(traj.steps),
+             "inadmissible": sum(not step.admissible for step in traj.steps)}
+            for group in groups for traj in group
+        ]  # fmt: skip
+        results = gather_object(results) if accelerator.num_processes > 1 else results
+        if not results:
+            continue
+        won = [r for r in results if r["won"]]
+        metrics[f"eval/{split}/success_rate"] = len(won) / len(results)
+        if won:
+            metrics[f"eval/{split}/mean_steps_to_success"] = sum(r["steps"] for r in won) / len(won)
+        metrics[f"eval/{split}/invalid_action_rate"] = sum(r["inadmissible"] for r in results) / max(1, sum(r["steps"] for r in results))
+        for task_type in sorted({r["task_type"] for r in results}):
+            of_type = [r["won"] for r in results if r["task_type"] == task_type]
+            metrics[f"eval/{split}/success/{task_type}"] = sum(of_type) / len(of_type)
+    return metrics
+
+
+def close_distributed() -> None:
+    """Two-process CPU runs have hung at exit without this."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+# ===== end model side =====
+
+
+# =============================================================================================
+# TEMPO: value parsing, signals, prompts, state store
+# =============================================================================================
+_VALUE_RE = re.compile(r"<value>\s*([+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?)\s*</value>", re.IGNORECASE)
+
+
+def parse_value(text) -> float | None:
+    """The last `<value>x</value>` of a critic reply, clamped to [0, 1]; None when absent or not finite."""
+    if not isinstance(text, str):
+        return None
+    matches = _VALUE_RE.findall(text)
+    if not matches:
+        return None
+    value = float(matches[-1])
+    return min(1.0, max(0.0, value)) if math.isfinite(value) else None
+
+
+def actor_signals(segment_rewards: Sequence[float], endpoint_values: Sequence[float | None],
+                  terminal: Sequence[bool]) -> tuple[list[float], float, list[float]]:  # fmt: skip
+    """R_n = r_n + V_n (V_n = 0 for a terminal branch), G = mean(R), A_n = R_n - G."""
+    if not (len(segment_rewards) == len(endpoint_values) == len(terminal)) or not segment_rewards:
+        raise ValueError("actor_signals needs one reward, value and terminal flag per branch (at least one branch)")
+    returns = []
+    for reward, value, done in zip(segment_rewards, endpoint_values, terminal):
+        if not done and value is None:
+            raise ValueError("a non-terminal branch needs an endpoint value")
+        returns.append(float(reward) + (0.0 if done else float(value)))
+    value_target = sum(returns) / len(returns)
+    return returns, value_target, [r - value_target for r in returns]
+
+
+def critic_signals(values: Sequence[float | None], value_target: float, r_max: float) -> tuple[list[float], list[float]]:
+    """Reward -|V_k - G| / r_max per critic sample (a parse failure, None, gets -r_max: the worst), centred
+    within the group."""
+    if not values:
+        raise ValueError("critic_signals needs at least one critic sample")
+    rewards = [-r_max if v is None else -abs(v - value_target) / r_max for v in values]
+    mean = sum(rewards) / len(rewards)
+    return rewards, [r - mean for r in rewards]
+
+
+def is_degenerate(advantages: Sequence[float]) -> bool:
+    return all(abs(a) < 1e-9 for a in advantages)
+
+
+CRITIC_SYSTEM_PROMPT = (
+    "You are the critic of an agent playing a household text game (ALFWorld). You see the task, what the agent "
+    "did so far, and a reference solution that the agent cannot see. Estimate the probability that the agent, "
+    "from where it stands now, completes the task within its remaining steps. Reason briefly, then end your "
+    "reply with <value>p</value>, p a number between 0 and 1."
+)
+PRIVILEGED_HEADER = "Reference solution (privileged, hidden from the agent):"
+
+
+def condensed_history(messages: Sequence[dict]) -> list[str]:
+    """The chat as short lines: first observation, then per turn the action sent (or the failed format)
+    and what the game answered. Admissible-action lists are dropped."""
+    lines = []
+    for message in messages:
+        content = message["content"].split("\nAdmissible actions: ")[0]
+        if message["role"] == "user":
+            lines.append(f"Start: {content.strip()}")
+        elif message["role"] == "assistant":
+            action = common.parse_action(content)
+            lines.append(f"Step {sum(l.startswith('Step ') for l in lines) + 1}: " + (f"> {action}" if action else "(no valid action)"))
+        elif message["role"] == "tool":
+            status, _, observation = content.partition("\nObservation: ")
+            lines[-1] += f" [{status.removeprefix('Status: ').split(':')[0]}] {observation.strip()}"
+    return lines
+
+
+def critic_prompt(tokenizer, task: str, walkthrough: Sequence[str], messages: Sequence[dict], round_index: int,
+                  max_episode_steps: int) -> list[int]:  # fmt: skip
+    """Critic prompt tokens: task, steps left, the privileged walkthrough and the condensed history, rendered
+    as a plain chat (no tools)."""
+    reference = "\n".join(f"{i + 1}. {action}" for i, action in enumerate(walkthrough)) or "(none)"
+    user = (
+        f"Task: {task}\nSteps taken: {round_index} of {max_episode_steps} ({max_episode_steps - round_index} left)\n\n"
+        f"{PRIVILEGED_HEADER}\n{reference}\n\nHistory:\n" + "\n".join(condensed_history(messages))
+    )
+    chat = [{"role": "system", "content": CRITIC_SYSTEM_PROMPT}, {"role": "user", "content": user}]
+    text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+class StateStore:
+    """FIFO store of macro-boundary states; the oldest fall out beyond `capacity`."""
+
+    def __init__(self, capacity: int):
+        self.states: deque[common.SavedState] = deque(maxlen=capacity)
+
+    def __len__(self) -> int:
+        return len(self.states)
+
+    def add(self, state: common.SavedState) -> None:
+        self.states.append(state)
+
+    def take(self, n: int, rng: random.Random) -> list[common.SavedState]:
+        """Up to n states, uniformly without replacement; taken states leave the store."""
+        picked = set(rng.sample(range(len(self.states)), min(n, len(self.states))))
+        taken = [s for i, s in enumerate(self.states) if i in picked]
+        kept = [s for i, s in enumerate(self.states) if i not in picked]
+        self.states.clear()
+        self.states.extend(kept)
+        return taken
+
+
+def actor_datum(traj: common.Trajectory, advantage: float) -> Datum:
+    """Saved prefix + this segment; only the tokens generated in this segment are trained."""
+    tokens, old_logprobs, step_ids = traj.sequence()
+    mask = [1.0 if k >= 0 else 0.0 for k in step_ids]
+    return Datum(tokens, old_logprobs, [advantage * m for m in mask], mask)
+
+
+def critic_datum(prompt: list[int], reply: common.Completion, advantage: float) -> Datum:
+    """Critic prompt as context, the whole reply trained."""
+    n = len(reply.tokens)
+    return Datum(prompt + reply.tokens, [0.0] * len(prompt) + reply.logprobs, [0.0] * len(prompt) + [advantage] * n,
+                 [0.0] * len(prompt) + [1.0] * n)  # fmt: skip
+
+
+def validate_args(args: Args) -> None:
+    validate_model_args(args)
+    checks = [
+        (args.macro_rounds >= 1, f"--macro-rounds must be >= 1, got {args.macro_rounds}"),
+        (args.max_episode_steps >= 1 and args.max_episode_steps % max(1, args.macro_rounds) == 0,
+         f"--max-episode-steps ({args.max_episode_steps}) must be a positive multiple of --macro-rounds ({args.macro_rounds})"),
+        (args.branches >= 2, f"--branches must be >= 2 (advantages compare branches), got {args.branches}"),
+        (args.critic_samples >= 2, f"--critic-samples must be >= 2 (rewards are centred within them), got {args.critic_samples}"),
+        (args.endpoint_samples >= 1, f"--endpoint-samples must be >= 1, got {args.endpoint_samples}"),
+        (args.states_per_batch >= 1, f"--states-per-batch must be >= 1, got {args.states_per_batch}"),
+        (args.warmup_updates >= 0, f"--warmup-updates must be >= 0, got {args.warmup_updates}"),
+        (args.warmup_games_per_batch >= 1, f"--warmup-games-per-batch must be >= 1, got {args.warmup_games_per_batch}"),
+        (args.td_updates >= 0, f"--td-updates must be >= 0, got {args.td_updates}"),
+        (args.state_store_capacity >= args.states_per_batch,
+         f"--state-store-capacity ({args.state_store_capacity}) must be >= --states-per-batch ({args.states_per_batch})"),
+        (args.r_max > 0, f"--r-max must be > 0, got {args.r_max}"),
+        (args.prefix_is_max_weight >= 1, f"--prefix-is-max-weight must be >= 1, got {args.prefix_is_max_weight}"),
+        (args.max_turn_tokens >= 1, f"--max-turn-tokens must be >= 1, got {args.max_turn_tokens}"),
+        (args.max_critic_tokens >= 1, f"--max-critic-tokens must be >= 1, got {args.max_critic_tokens}"),
+        (args.max_trajectory_tokens > args.max_turn_tokens,
+         f"--max-trajectory-tokens ({args.max_trajectory_tokens}) must exceed --max-turn-tokens ({args.max_turn_tokens})"),
+    ]  # fmt: skip
+    for ok, message in checks:
+        if not ok:
+            raise ValueError(message)
+
+
+# =============================================================================================
+# Run state shared by the two phases
+# =============================================================================================
+@dataclass
+class Runtime:
+    args: Args
+    accelerator: object
+    tokenizer: object
+    model: object
+    optimizer: object
+    protocol: common.ChatProtocol
+    sample_fn: common.SampleFn
+    data_root: str
+    games: list[str]  # this process's shard of the training games, shuffled with the seed
+    store: StateStore
+    rng: random.Random  # state-store sampling (saved in checkpoints)
+    game_cursor: int = 0
+
+    def fresh_state(self) -> common.SavedState:
+        """The next training game from its start (games cycle in their shuffled order)."""
+        game = self.games[self.game_cursor % len(self.games)]
+        self.game_cursor += 1
+        return common.fresh_state(game, self.protocol, seed=self.game_cursor)
+
+    def critic_prompt(self, game_file: str, task: str, messages, round_index: int) -> list[int]:
+        return critic_prompt(self.tokenizer, task, common.load_walkthrough(game_file), messages, round_index,
+                             self.args.max_episode_steps)  # fmt: skip
+
+    def train(self, datums: list[Datum]) -> dict:
+        return train_step(self.model, self.optimizer, self.accelerator, datums, temperature=self.args.temperature,
+                          pad_id=self.tokenizer.pad_token_id, micro_batch_tokens=self.args.micro_batch_tokens,
+                          max_grad_norm=self.args.max_grad_norm, clip=None)  # fmt: skip
+
+
+def rollout_metrics(trajectories: Sequence[common.Trajectory]) -> dict:
+    steps = [step for traj in trajectories for step in traj.steps]
+    if not trajectories:
+        return {}
+    return {
+        "rollout/valid_format_rate": sum(s.valid for s in steps) / max(1, len(steps)),
+        "rollout/admissible_rate": sum(s.admissible for s in steps) / max(1, len(steps)),
+        "rollout/steps": len(steps) / len(trajectories),
+        "rollout/success_rate": sum(t.won for t in trajectories) / len(trajectories),
+    }
+
+
+def critic_metrics(values: Sequence[float | None], targets: Sequence[float]) -> dict:
+    """Error and correlation of the critic's parsed values against their targets (value per sample)."""
+    pairs = [(v, g) for v, g in zip(values, targets) if v is not None]
+    metrics = {"critic/parse_failure_rate": 1 - len(pairs) / max(1, len(values))}
+    if pairs:
+        metrics["critic/abs_error_mean"] = sum(abs(v - g) for v, g in pairs) / len(pairs)
+    if len(pairs) >= 2 and len({v for v, _ in pairs}) > 1 and len({g for _, g in pairs}) > 1:
+        metrics["critic/value_corr"] = statistics.correlation([v for v, _ in pairs], [g for _, g in pairs])
+    return metrics
+
+
+def sample_row(traj: common.Trajectory, **extra) -> dict:
+    """A readable trajectory segment for samples.jsonl."""
+    segment = traj.messages[len(traj.start.messages) :]
+    return {"game": traj.start.game_file, "round_index": traj.start.round_index, "task": traj.start.task,
+            "stop_reason": traj.stop_reason, "messages": segment, **extra}  # fmt: skip
+
+
+# =============================================================================================
+# Phase 1: value warm-up (critic only, Monte-Carlo targets)
+# =============================================================================================
+def warmup_update(rt: Runtime) -> tuple[dict, list[dict]]:
+    args, t0 = rt.args, time.time()
+    # ---- Phase 1, step 1: fresh games, N full trajectories each (one macro step = the whole episode)
+    starts = [rt.fresh_state() for _ in range(args.warmup_games_per_batch)]
+    groups = common.rollout(starts, args.branches, rt.sample_fn, rt.protocol, horizon=args.max_episode_steps,
+                            max_episode_steps=args.max_episode_steps, max_turn_tokens=args.max_turn_tokens,
+                            max_trajectory_tokens=args.max_trajectory_tokens)  # fmt: skip
+    trajectories = [traj for group in groups for traj in group]
+    t_rollout = time.time()
+
+    # ---- Phase 1, step 2: the state at every H-turn boundary, its target = the trajectory's return (0/1 won)
+    prompts, targets = [], []
+    for traj in trajectories:
+        for round_index in range(traj.start.round_index, traj.round_index, args.macro_rounds):
+            messages = traj.messages[: len(traj.start.messages) + 2 * (round_index - traj.start.round_index)]
+            prompts.append(rt.critic_prompt(traj.start.game_file, traj.start.task, messages, round_index))
+            targets.append(1.0 if traj.won else 0.0)
+
+    # ---- Phase 1, step 3: K critic samples per boundary state, reward -|V - G| / r_max centred within the K
+    K = args.critic_samples
+    replies = rt.sample_fn([p for p in prompts for _ in range(K)], args.max_critic_tokens)
+    datums, all_values, degenerate = [], [], 0
+    for i, (prompt, target) in enumerate(zip(prompts, targets)):
+        group_replies = replies[i * K : (i + 1) * K]
+        values = [parse_value(r.text) for r in group_replies]
+        all_values += values
+        _, advantages = critic_signals(values, target, args.r_max)
+        if is_degenerate(advantages):
+            degenerate += 1
+            continue
+        datums += [critic_datum(prompt, reply, a) for reply, a in zip(group_replies, advantages)]
+    t_critic = time.time()
+
+    # ---- Phase 1, step 4: update the critic only
+    metrics = rt.train(datums)
+    metrics.update(rollout_metrics(trajectories))
+    metrics.update(critic_metrics(all_values, [g for g in targets for _ in range(K)]))
+    metrics.update({
+        "warmup/success_rate": sum(t.won for t in trajectories) / max(1, len(trajectories)),
+        "warmup/boundary_states": float(len(prompts)),
+        "critic/value_target_mean": statistics.fmean(targets) if targets else 0.0,
+        "critic/value_target_std": statistics.pstdev(targets) if targets else 0.0,
+        "critic/degenerate_group_rate": degenerate / max(1, len(prompts)),
+        "time/rollout": t_rollout - t0, "time/critic": t_critic - t_rollout, "time/update": time.time() - t_critic,
+    })  # fmt: skip
+    samples = [sample_row(trajectories[0], critic_reply=replies[0].text, value_target=targets[0])] if prompts else []
+    return metrics, samples
+
+
+# =============================================================================================
+# Phase 2: TD loop (actor + critic)
+# =============================================================================================
+def can_continue(traj: common.Trajectory, args: Args) -> bool:
+    """Stopped at the macro boundary with room for another turn: not won, under T, within the token budget."""
+    return traj.stop_reason == common.STOP_HORIZON and len(traj.tokens) + args.max_turn_tokens <= args.max_trajectory_tokens
+
+
+def prefix_weights(rt: Runtime, starts: Sequence[common.SavedState]) -> list[float | None]:
+    """exp(log p_now(prefix) - log p_old(prefix)) over the prefix's generated tokens, clipped to the ceiling;
+    None for a state without generated tokens (a fresh game: nothing to correct)."""
+    with_prefix = [i for i, s in enumerate(starts) if any(k >= 0 for k in s.prefix_step_ids)]
+    current = sequence_logprobs(rt.model, rt.accelerator, [starts[i].prefix_tokens for i in with_prefix],
+                                rt.args.temperature, rt.tokenizer.pad_token_id, rt.args.micro_batch_tokens)  # fmt: skip
+    weights: list[float | None] = [None] * len(starts)
+    for i, logprobs in zip(with_prefix, current):
+        state = starts[i]
+        log_ratio = sum(now - old for now, old, k in zip(logprobs, state.prefix_logprobs, state.prefix_step_ids) if k >= 0)
+        weights[i] = math.exp(min(log_ratio, math.log(rt.args.prefix_is_max_weight)))
+    return weights
+
+
+def td_update(rt: Runtime) -> tuple[dict, list[dict]]:
+    args, t0 = rt.args, time.time()
+    H, N, K, E = args.macro_rounds, args.branches, args.critic_samples, args.endpoint_samples
+    # ---- Phase 2, step 1: start states, uniformly from the store; fresh games when it runs short
+    starts = rt.store.take(args.states_per_batch, rt.rng)
+    fresh = args.states_per_batch - len(starts)
+    starts += [rt.fresh_state() for _ in range(fresh)]
+    macro_index_mean = statistics.fmean(s.round_index / H for s in starts)
+
+    # ---- Phase 2, steps 2-3: restore each state (replay, verified) and run N branches for H turns
+    groups = common.rollout(starts, N, rt.sample_fn, rt.protocol, horizon=H, max_episode_steps=args.max_episode_steps,
+                            max_turn_tokens=args.max_turn_tokens, max_trajectory_tokens=args.max_trajectory_tokens)  # fmt: skip
+    restore_failures = sum(1 for group in groups if not group)  # dropped, never fatal
+    live = [(start, group) for start, group in zip(starts, groups) if group]
+    trajectories = [traj for _, group in live for traj in group]
+    t_rollout = time.time()
+
+    # ---- Phase 2, step 4: value the endpoints that stopped at the macro boundary; terminal ones are worth 0
+    endpoints = [traj for traj in trajectories if can_continue(traj, args)]
+    endpoint_prompts = [rt.critic_prompt(t.start.game_file, t.start.task, t.messages, t.round_index) for t in endpoints]
+    start_prompts = [rt.critic_prompt(s.game_file, s.task, s.messages, s.round_index) for s, _ in live]
+    replies = rt.sample_fn([p for p in endpoint_prompts for _ in range(E)] + [p for p in start_prompts for _ in range(K)],
+                           args.max_critic_tokens)  # fmt: skip
+    endpoint_replies, start_replies = replies[: len(endpoints) * E], replies[len(endpoints) * E :]
+    endpoint_value, endpoint_failures = {}, 0
+    for i, traj in enumerate(endpoints):
+        parsed = [v for v in (parse_value(r.text) for r in endpoint_replies[i * E : (i + 1) * E]) if v is not None]
+        endpoint_failures += not parsed
+        endpoint_value[id(traj)] = statistics.fmean(parsed) if parsed else 0.0
+
+    # ---- Phase 2, step 5: signals. Actor: A_n = R_n - mean(R). Critic: K samples on the start state vs G
+    weights = prefix_weights(rt, [s for s, _ in live]) if args.prefix_is_correction else [None] * len(live)
+    datums, samples = [], []
+    critic_values, critic_targets, value_targets, zero_reward_gaps = [], [], [], []
+    degenerate_actor = degenerate_critic = 0
+    for g, ((start, group), weight) in enumerate(zip(live, weights)):
+        terminal = [id(traj) not in endpoint_value for traj in group]
+        values = [endpoint_value.get(id(traj)) for traj in group]
+        segment_rewards = [traj.reward for traj in group]
+        returns, value_target, advantages = actor_signals(segment_rewards, values, terminal)
+        value_targets.append(value_target)
+        zero_reward_values = [v for v, r, done in zip(values, segment_rewards, terminal) if not done and r == 0]
+        if len(zero_reward_values) >= 2:
+            zero_reward_gaps.append(statistics.pstdev(zero_reward_values))
+        group_replies = start_replies[g * K : (g + 1) * K]
+        start_values = [parse_value(r.text) for r in group_replies]
+        critic_values += start_values
+        critic_targets += [value_target] * K
+        _, critic_advantages = critic_signals(start_values, value_target, args.r_max)
+
+        # ---- Phase 2, step 6 (datums): actor = saved prefix + segment, critic = critic prompt + reply
+        if is_degenerate(advantages):
+            degenerate_actor += 1
+        else:
+            scale = 1.0 if weight is None else weight
+            datums += [actor_datum(traj, a * scale) for traj, a in zip(group, advantages)]
+        if is_degenerate(critic_advantages):
+            degenerate_critic += 1
+        else:
+            datums += [critic_datum(start_prompts[g], r, a) for r, a in zip(group_replies, critic_advantages)]
+        if g == 0:
+            samples.append(sample_row(group[0], segment_reward=segment_rewards[0], endpoint_value=values[0],
+                                      advantage=advantages[0], critic_reply=group_replies[0].text,
+                                      value_target=value_target))  # fmt: skip
+    t_critic = time.time()
+
+    # ---- Phase 2, step 6: one update, actor and critic datums together
+    metrics = rt.train(datums)
+    t_update = time.time()
+
+    # ---- Phase 2, step 7: endpoints that can still continue go back into the store
+    for traj in endpoints:
+        rt.store.add(traj.saved_state())
+
+    metrics.update(rollout_metrics(trajectories))
+    metrics.update(critic_metrics(critic_values, critic_targets))
+    parsed_weights = [w for w in weights if w is not None]
+    if parsed_weights:
+        metrics["td/prefix_is_weight_mean"] = statistics.fmean(parsed_weights)
+        metrics["td/prefix_is_weight_max"] = max(parsed_weights)
+    if zero_reward_gaps:
+        metrics["actor/value_gap_zero_reward"] = statistics.fmean(zero_reward_gaps)
+    if endpoints:
+        metrics["critic/endpoint_value_mean"] = statistics.fmean(endpoint_value.values())
+    metrics.update({
+        "critic/endpoint_parse_failures": float(endpoint_failures),
+        "critic/value_target_mean": statistics.fmean(value_targets) if value_targets else 0.0,
+        "critic/value_target_std": statistics.pstdev(value_targets) if value_targets else 0.0,
+        "critic/degenerate_group_rate": degenerate_critic / max(1, len(live)),
+        "actor/segment_reward_mean": statistics.fmean(t.reward for t in trajectories) if trajectories else 0.0,
+        "actor/degenerate_group_rate": degenerate_actor / max(1, len(live)),
+        "actor/macro_boundary_rate": len(endpoints) / max(1, len(trajectories)),
+        "td/store_size": float(len(rt.store)),
+        "td/fresh_states": float(fresh),
+        "td/new_endpoints": float(len(endpoints)),
+        "td/macro_index_mean": macro_index_mean,
+        "td/restore_failures": float(restore_failures),
+        "time/rollout": t_rollout - t0, "time/critic": t_critic - t_rollout, "time/update": t_update - t_critic,
+    })  # fmt: skip
+    return metrics, samples
+
+
+# =============================================================================================
+# Main: set-up, resume, the two phases, checkpoints, evaluation
+# =============================================================================================
+SUM_KEYS = ("td/store_size", "td/fresh_states", "td/new_endpoints", "td/restore_failures", "critic/endpoint_parse_failures",
+            "warmup/boundary_states")  # fmt: skip
+POSTFIX_KEYS = ("critic/abs_error_mean", "critic/value_corr", "rollout/success_rate", "td/fresh_states", "train/loss")
+
+
+def main(args: Args) -> Path | None:
+    """Train (or evaluate, with --eval-only); returns the run directory."""
+    validate_args(args)
+    accelerator = make_accelerator()
+    try:
+        return _run(args, accelerator)
+    finally:
+        close_distributed()
+
+
+def make_runtime(args: Args, accelerator) -> Runtime:
+    """Model, optimizer, chat protocol, sampler and this process's shard of the training games."""
+    data_root = args.data_root or str(common.default_data_root())
+    tokenizer, model, optimizer = load_model(args, accelerator)
+    games = common.discover_games(data_root, args.split, args.task_types, seed=args.seed)
+    games = games[accelerator.process_index :: accelerator.num_processes] or games
+    return Runtime(args, accelerator, tokenizer, model, optimizer, common.ChatProtocol(tokenizer),
+                   make_sampler(model, tokenizer, accelerator, args), data_root, games,
+                   StateStore(args.state_store_capacity), random.Random(args.seed + accelerator.process_index))  # fmt: skip
+
+
+def _run(args: Args, accelerator) -> Path | None:
+    seed_everything(args.seed + accelerator.process_index)
+    rt = make_runtime(args, accelerator)
+    model, optimizer = rt.model, rt.optimizer
+    greedy_fn = make_sampler(model, rt.tokenizer, accelerator, args, greedy=True)
+    eval_kwargs = dict(data_root=rt.data_root, task_types=args.task_types, eval_games=args.eval_games,
+                       max_episode_steps=args.max_episode_steps, max_turn_tokens=args.max_turn_tokens,
+                       max_trajectory_tokens=args.max_trajectory_tokens)  # fmt: skip
+    if args.eval_only:
+        load_checkpoint(Path(args.eval_only), model, None, accelerator, ALGORITHM)
+        metrics = evaluate(greedy_fn, rt.protocol, accelerator, **eval_kwargs)
+        if accelerator.is_main_process:
+            print(json.dumps(metrics, indent=2))
+        return None
+
+    total_updates = args.warmup_updates + args.td_updates
+    checkpoint, done = find_checkpoint(args), 0
+    if checkpoint is not None:
+        trainer_state, rank_state = load_checkpoint(checkpoint, model, optimizer, accelerator, ALGORITHM)
+        done, run_dir = trainer_state["update"], checkpoint.parent.parent
+        rt.game_cursor = rank_state["game_cursor"]
+        rt.rng.setstate((rank_state["rng"][0], tuple(rank_state["rng"][1]), rank_state["rng"][2]))
+        for state in rank_state["store"]:
+            rt.store.add(common.SavedState.from_json(state))
+    else:
+        run_dir = new_run_dir(args)
+    logger = RunLogger(args, run_dir, accelerator, total_updates, done, POSTFIX_KEYS)
+    if checkpoint is not None and accelerator.is_main_process:
+        print(f"resumed {checkpoint} (update {done})", file=sys.stderr)
+
+    for update in range(done + 1, total_updates + 1):
+        phase = "warmup" if update <= args.warmup_updates else "td"
+        metrics, samples = warmup_update(rt) if phase == "warmup" else td_update(rt)
+        metrics = reduce_metrics(accelerator, metrics, SUM_KEYS)
+        last = update == total_updates
+        if args.eval_every and args.eval_games and (last or update % args.eval_every == 0):
+            metrics.update(evaluate(greedy_fn, rt.protocol, accelerator, **eval_kwargs))
+        logger.log(update, {"phase": phase, **metrics}, samples)
+        if last or (args.save_every and update % args.save_every == 0):
+            rank_state = {"game_cursor": rt.game_cursor, "rng": list(rt.rng.getstate()),
+                          "store": [s.to_json() for s in rt.store.states]}  # fmt: skip
+            save_checkpoint(run_dir, update, model, optimizer, accelerator, ALGORITHM, {"phase": phase}, rank_state)
+    logger.close()
+    return run_dir
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

@@ -1,0 +1,458 @@
+"""ADCA-GRPO: the decouple math against hand-computed cases, the judgment parser, the labeller against a
+real local OpenAI-compatible HTTP server (through the real `openai` client), the self labeller on the
+tiny model, one PPO-clip update, and smoke runs of main() with each backend."""
+
+import json
+import math
+import threading
+import time
+from collections import defaultdict
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+
+import adca_grpo
+import common
+
+SECRET = "sk-adca-test-SECRET-0123456789"
+DECOUPLE = dict(fix_base=0.2, alpha=0.1, orm_distribution="last_step", equal_trajectory_weight=True, length_normalization=False)
+
+
+def approx(rows, expected, tol=1e-9):
+    assert len(rows) == len(expected)
+    for row, exp in zip(rows, expected):
+        assert row == pytest.approx(exp, abs=tol)
+
+
+# =============================================================================================
+# decouple math
+# =============================================================================================
+# Group 0: A = [GOOD, BAD] won, B = [BAD] lost. Group 1: C = [GOOD] lost, alone in its group.
+ORM, FLAGS, GROUPS = [1.0, 0.0, 0.0], [[True, False], [False], [True]], [0, 0, 1]
+
+
+def test_decouple_equal_trajectory_weight_last_step():
+    # raw: A = [.2, -.2], B = [-.2]; mu = mean of trajectory means = (0 - .2) / 2 = -.1
+    # var = mean over trajectories of mean (r - mu)^2 = ((.09 + .01) / 2 + .01) / 2 = .03
+    sd = math.sqrt(0.03 + 1e-8)
+    z_a, z_b = [0.3 / sd, -0.1 / sd], [-0.1 / sd]
+    # outcomes 1, 0: mean .5, std .5 -> +1, -1; group 1 (one trajectory, std 0): 0 - 0 = 0; its z is 0 (all equal)
+    expected = [[0.1 * z_a[0], 0.1 * z_a[1] + 1.0], [0.1 * z_b[0] - 1.0], [0.0]]
+    approx(adca_grpo.decouple_step_rewards(ORM, FLAGS, GROUPS, **DECOUPLE), expected, 1e-6)
+
+
+def test_decouple_flattened_all_steps_length_normalised():
+    # flattened group 0 steps [.2, -.2, -.2]: mean -1/15, population var 24/675
+    mu, sd = -1 / 15, math.sqrt(24 / 675)
+    z = [(0.2 - mu) / sd, (-0.2 - mu) / sd, (-0.2 - mu) / sd]
+    expected = [[(0.1 * z[0] + 1) / math.sqrt(2), (0.1 * z[1] + 1) / math.sqrt(2)], [0.1 * z[2] - 1], [0.0]]
+    config = dict(DECOUPLE, orm_distribution="all_steps", equal_trajectory_weight=False, length_normalization=True)
+    approx(adca_grpo.decouple_step_rewards(ORM, FLAGS, GROUPS, **config), expected, 1e-6)
+
+
+def test_decouple_degenerate_groups():
+    # all won, mixed labels: outcome term 0 everywhere, labels alone shift credit between steps
+    rewards = adca_grpo.decouple_step_rewards([1.0, 1.0], [[True, True], [False, False]], [0, 0], **DECOUPLE)
+    sd = math.sqrt(0.04 + 1e-8)  # mu 0, every step .2 away from it
+    approx(rewards, [[0.1 * 0.2 / sd] * 2, [-0.1 * 0.2 / sd] * 2], 1e-6)
+    # all GOOD, mixed outcomes: the labels carry nothing (z = 0), only the outcome remains
+    for equal in (True, False):
+        rewards = adca_grpo.decouple_step_rewards([1.0, 0.0, 0.0, 1.0], [[True] * 3, [True], [True] * 2, [True]], [0] * 4,
+                                                  **dict(DECOUPLE, equal_trajectory_weight=equal))  # fmt: skip
+        approx(rewards, [[0.0, 0.0, 1.0], [-1.0], [0.0, -1.0], [1.0]])
+    # everything identical: exactly zero (the formula alone would leave rounding noise / sqrt(eps))
+    assert adca_grpo.decouple_step_rewards([0.0] * 3, [[False] * 3] * 3, [7] * 3, **DECOUPLE) == [[0.0] * 3] * 3
+    # a trajectory without steps gets no rewards and does not disturb its group
+    rewards = adca_grpo.decouple_step_rewards([1.0, 0.0, 0.0], [[True], [], [False]], [0, 0, 0], **DECOUPLE)
+    assert rewards[1] == []
+
+
+def test_decouple_rejects_bad_input():
+    with pytest.raises(ValueError, match="length"):
+        adca_grpo.decouple_step_rewards([1.0], [[True], [False]], [0, 0], **DECOUPLE)
+    with pytest.raises(ValueError, match="orm_distribution"):
+        adca_grpo.decouple_step_rewards([1.0], [[True]], [0], **dict(DECOUPLE, orm_distribution="first_step"))
+
+
+def test_alpha_zero_is_plain_grpo():
+    import random
+
+    rng = random.Random(0)
+    orm = [float(rng.random() < 0.4) for _ in range(24)]
+    groups = [i // 6 for i in range(24)]
+    flags = [[rng.random() < 0.5 for _ in range(rng.randint(1, 7))] for _ in range(24)]
+    advantages = adca_grpo.suffix_sum(adca_grpo.decouple_step_rewards(orm, flags, groups, **dict(DECOUPLE, alpha=0.0)))
+    for g in range(4):
+        scores = torch.tensor(orm[g * 6 : g * 6 + 6], dtype=torch.float64)
+        std = scores.std(unbiased=False)
+        grpo = (scores - scores.mean()) / (std + 1e-12) if std > 1e-8 else scores - scores.mean()
+        for i in range(6):
+            assert advantages[g * 6 + i] == pytest.approx([float(grpo[i])] * len(flags[g * 6 + i]), abs=1e-9)
+
+
+def test_suffix_sum_and_broadcast():
+    assert adca_grpo.suffix_sum([[1.0, 2.0, 3.0], [], [-1.0]]) == [[6.0, 5.0, 3.0], [], [-1.0]]
+    step_ids = torch.tensor([[-1, -1, 0, 0, -1, 1, 1, -1], [-1, 0, 0, -1, -1, -1, -1, -1], [-1] * 8])
+    out = adca_grpo.broadcast_to_tokens([[2.0, 3.0], [5.0], []], step_ids)
+    assert out.dtype == torch.float32 and out.shape == (3, 8)
+    assert out.tolist() == [[0, 0, 2, 2, 0, 3, 3, 0], [0, 5, 5, 0, 0, 0, 0, 0], [0] * 8]
+    with pytest.raises(ValueError, match="beyond"):
+        adca_grpo.broadcast_to_tokens([[1.0]], torch.tensor([[0, 1]]))
+
+
+def test_health_metrics():
+    m = adca_grpo.decouple_health_metrics(ORM, FLAGS, GROUPS, **DECOUPLE)
+    assert m["prm/decouple/out_mean"] == pytest.approx(0.0)  # outcome advantages +1, -1, 0
+    assert m["prm/decouple/out_std"] == pytest.approx(math.sqrt(2 / 3))
+    assert m["prm/decouple/pos_traj_prm_good_majority_rate"] == 0.0  # A: 1 GOOD of 2 is no majority
+    assert m["prm/decouple/neg_traj_prm_bad_majority_rate"] == 0.5  # B all BAD, C all GOOD
+    assert m["prm/decouple/sum_step_reward_sign_agree"] == 1.0  # C sums to 0: not > 0, like its outcome
+    assert 0.0 < m["prm/decouple/outcome_share_last_mean"] < 1.0
+    sd = math.sqrt(0.03 + 1e-8)
+    assert m["prm/decouple/alpha_effective"] == pytest.approx((0.1 * 0.4 / sd + 0.1 * 0.1 / sd + 0.0 / 1e-12) / 3, rel=1e-6)
+
+
+def test_alpha_schedule():
+    args = adca_grpo.Args(alpha=0.3, alpha_min=0.1, alpha_schedule="cosine", num_updates=11)
+    assert adca_grpo.alpha_at(0, args) == pytest.approx(0.3)
+    assert adca_grpo.alpha_at(5, args) == pytest.approx(0.2)
+    assert adca_grpo.alpha_at(10, args) == pytest.approx(0.1)
+    assert adca_grpo.alpha_at(3, adca_grpo.Args(alpha=0.3)) == 0.3
+    assert adca_grpo.alpha_at(0, adca_grpo.Args(attribution=False)) == 0.0
+
+
+# =============================================================================================
+# judgment parser
+# =============================================================================================
+def test_parse_judgments():
+    parse = adca_grpo.parse_judgments
+    reply = "Step 1 Analysis: went to the fridge.\nStep 1 Judgment: GOOD\nStep 2 Analysis: looked.\nStep 2 Judgment: BAD\n"
+    assert parse(reply, 2) == [True, False]
+    assert parse("step 2 judgment: good\nSTEP 1 JUDGEMENT: bad", 2) == [False, True]  # any case, either spelling
+    assert parse("**Step 1 Judgment:** **GOOD**\n### Step 2 Judgment: BAD", 2) == [True, False]  # markdown
+    assert parse("Step 1 Judgment: GOOD\nStep 1 Judgment: BAD", 1) == [False]  # last judgment wins
+    assert parse("Step 1 Judgment: GOOD\nStep 7 Judgment: BAD\nStep 0 Judgment: BAD", 1) == [True]  # out of range ignored
+    assert parse("Step 1 Judgment: GOOD", 2) is None  # step 2 missing
+    assert parse("Step 1 Judgment: NEUTRAL", 1) is None
+    assert parse("Step 1 Judgment: GOODNESS", 1) is None
+    assert parse("GOOD BAD GOOD", 3) is None  # bare words are not judgments
+    assert parse("Step " + "9" * 5000 + " Judgment: GOOD", 1) is None  # huge numbers do not raise
+    assert parse(None, 1) is None and parse(b"Step 1 Judgment: GOOD", 1) is None and parse("x", -1) is None
+    assert parse("", 0) == []
+
+
+def test_label_prompt_numbers_steps_from_one():
+    messages = adca_grpo.build_label_messages("put a mug in fridge.", [("go to fridge 1", "You arrive."), ("look", "x" * 50)], -0.5, 20)
+    user = messages[1]["content"]
+    assert messages[0]["role"] == "system" and "Step 1\nAction: go to fridge 1" in user and "Step 2\n" in user
+    assert "Step 3" not in user and "x" * 21 not in user and "OVERALL SCORE: -0.5000 (negative)" in user
+
+
+# =============================================================================================
+# the api labeller against a real local OpenAI-compatible server
+# =============================================================================================
+class ScriptedEndpoint:
+    """A real HTTP server on 127.0.0.1 speaking /v1/chat/completions. `behave(content, attempt)` gets the
+    user message and the 1-based attempt number for that message and returns (status, payload, delay_s);
+    a str payload is the assistant's reply, a dict is sent as the JSON body."""
+
+    def __init__(self, behave):
+        self.behave, self.lock, self.stop = behave, threading.Lock(), threading.Event()
+        self.in_flight = self.max_in_flight = 0
+        self.attempt_times = defaultdict(list)  # user message -> arrival times
+        self.auth_headers = set()
+        endpoint = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                content = body["messages"][-1]["content"]
+                with endpoint.lock:
+                    endpoint.in_flight += 1
+                    endpoint.max_in_flight = max(endpoint.max_in_flight, endpoint.in_flight)
+                    endpoint.attempt_times[content].append(time.monotonic())
+                    endpoint.auth_headers.add(self.headers.get("Authorization"))
+                    attempt = len(endpoint.attempt_times[content])
+                try:
+                    status, payload, delay = endpoint.behave(content, attempt)
+                    endpoint.stop.wait(delay)
+                    if isinstance(payload, str):
+                        payload = {"id": "c", "object": "chat.completion", "created": 0, "model": body["model"],
+                                   "choices": [{"index": 0, "finish_reason": "stop",
+                                                "message": {"role": "assistant", "content": payload}}]}  # fmt: skip
+                    data = json.dumps(payload).encode()
+                    self.send_response(status)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the client gave up (timeout)
+                finally:
+                    with endpoint.lock:
+                        endpoint.in_flight -= 1
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def judgments(n, good=lambda j: j % 2 == 0):
+    return "\n".join(f"Step {j + 1} Analysis: fine.\nStep {j + 1} Judgment: {'GOOD' if good(j) else 'BAD'}" for j in range(n))
+
+
+RATE_LIMITED = {"error": {"message": "Rate limit reached for requests", "type": "requests", "code": "rate_limit_exceeded"}}
+SERVER_ERROR = {"error": {"message": "internal error", "type": "server_error"}}
+REFUSED = {"error": {"code": "data_inspection_failed", "message": "Input data may contain inappropriate content."}}
+
+
+def api_args(url, **overrides):
+    config = dict(labeler_backend="api", labeler_base_url=url, labeler_api_key_env="ADCA_TEST_KEY", labeler_model="judge",
+                  labeler_concurrency=3, labeler_timeout_s=5.0, labeler_deadline_s=20.0, labeler_rate_limit_backoff_s=0.2,
+                  labeler_error_backoff_s=0.1, labeler_max_new_tokens=256)  # fmt: skip
+    return adca_grpo.Args(**{**config, **overrides})
+
+
+def request(name, num_steps=2):
+    return adca_grpo.LabelRequest(name, [{"role": "system", "content": "judge"}, {"role": "user", "content": name}], num_steps)
+
+
+@pytest.fixture
+def api_key(monkeypatch):
+    monkeypatch.setenv("ADCA_TEST_KEY", SECRET)
+
+
+def test_api_labeler_bounded_concurrency_and_retries(api_key):
+    def behave(content, attempt):
+        if content.startswith("limited") and attempt <= 2:
+            return 429, RATE_LIMITED, 0.0
+        if content.startswith("broken") and attempt <= 2:
+            return 500, SERVER_ERROR, 0.0
+        return 200, judgments(2), 0.15
+
+    names = [f"plain{i}" for i in range(9)] + ["limited", "broken"]
+    with ScriptedEndpoint(behave) as server:
+        replies = adca_grpo.ApiLabeler(api_args(server.url))([request(n) for n in names])
+    assert all(adca_grpo.parse_judgments(r.text, 2) == [True, False] for r in replies)
+    assert server.max_in_flight == 3  # bounded, and the bound is used
+    assert server.auth_headers == {f"Bearer {SECRET}"}
+    assert [r.attempts for r in replies[-2:]] == [3, 3]
+    limited, broken = (server.attempt_times[n] for n in ("limited", "broken"))
+    # 429: exponential from 0.2 s (x1.5, +0-25% jitter); other errors: linear 0.1 s x attempt
+    assert 0.2 <= limited[1] - limited[0] < 0.2 * 1.25 + 0.2 and 0.3 <= limited[2] - limited[1] < 0.3 * 1.25 + 0.2
+    assert 0.1 <= broken[1] - broken[0] < 0.1 + 0.2 and 0.2 <= broken[2] - broken[1] < 0.2 + 0.2
+
+
+def test_api_labeler_refusals_timeouts_and_the_deadline(api_key):
+    def behave(content, attempt):
+        if content.startswith("refused"):
+            return 400, REFUSED, 0.0
+        if content.startswith("slow"):
+            return 200, judgments(2), 30.0
+        return 200, judgments(2), 0.0
+
+    with ScriptedEndpoint(behave) as server:
+        args = api_args(server.url, labeler_timeout_s=0.3, labeler_deadline_s=1.5, labeler_error_backoff_s=0.05)
+        start = time.monotonic()
+        refused, slow, fine = adca_grpo.ApiLabeler(args)([request("refused"), request("slow"), request("fine")])
+        elapsed = time.monotonic() - start
+    assert refused.text is None and refused.attempts == 2 and "BadRequestError" in refused.error  # gave up after 2 refusals
+    assert slow.text is None and slow.attempts >= 2 and "deadline" in slow.error  # per-request timeouts, then the deadline
+    assert fine.text is not None
+    assert elapsed < 1.5 + 1.0  # a dead endpoint never stalls past the deadline
+
+
+def test_api_labeler_needs_the_key_variable(monkeypatch):
+    monkeypatch.delenv("ADCA_TEST_KEY", raising=False)
+    with pytest.raises(ValueError, match="--labeler-api-key-env"):
+        adca_grpo.ApiLabeler(api_args("http://127.0.0.1:9/v1"))
+
+
+# =============================================================================================
+# labelling real trajectories
+# =============================================================================================
+def tool_call(action):
+    return '<tool_call>\n{"name": "alfworld_step", "arguments": ' + json.dumps({"action": action}) + "}\n</tool_call>"
+
+
+@pytest.fixture(scope="module")
+def look_trajectories(all_games, protocol):
+    """Four real 2-step trajectories (2 games x 2 branches) of an agent that only looks around."""
+
+    def look(prompts, max_new_tokens):
+        tokens = protocol.encode(tool_call("look")) + [protocol.eos_token_id]
+        return [common.Completion(tokens, [0.0] * len(tokens), tool_call("look")) for _ in prompts]
+
+    starts = [common.fresh_state(game, protocol) for game in all_games[:2]]
+    groups = common.rollout(starts, 2, look, protocol, horizon=2, max_episode_steps=2, max_turn_tokens=48, max_trajectory_tokens=4096)
+    return [traj for group in groups for traj in group]
+
+
+def test_label_trajectories_through_the_api(api_key, look_trajectories, tmp_path):
+    def behave(content, attempt):
+        if "OVERALL SCORE: -0.8000" in content:
+            return 500, SERVER_ERROR, 0.0
+        if "OVERALL SCORE: -0.5000" in content:
+            return 200, "I think the agent did fine overall.", 0.0  # no judgments: unparsable
+        return 200, judgments(2), 0.0
+
+    overall, orm = [0.8, -0.8, 0.0, -0.5], [1.0, 0.0, 1.0, 0.0]
+    with ScriptedEndpoint(behave) as server:
+        args = api_args(server.url, labeler_max_attempts=2, labeler_error_backoff_s=0.05, labeler_log_dir=str(tmp_path))
+        flags, metrics = adca_grpo.label_trajectories(look_trajectories, overall, orm, adca_grpo.ApiLabeler(args), args, update=3,
+                                                      log_file=tmp_path / "labels.jsonl")  # fmt: skip
+    # parsed; failed -> uniform by score sign; skipped (|score| < 1e-8) -> uniform; unparsable -> uniform
+    assert flags == [[True, False], [False, False], [False, False], [False, False]]
+    assert metrics["prm/label_requests"] == 3 and metrics["prm/label_failures"] == 1 and metrics["prm/parse_failures"] == 1
+    assert metrics["prm/skipped"] == 1 and metrics["prm/good_rate"] == 0.5 and metrics["prm/latency_p95"] >= metrics["prm/latency_p50"]
+    records = [json.loads(line) for line in (tmp_path / "labels.jsonl").read_text().splitlines()]
+    assert len(records) == 3 and {r["update"] for r in records} == {3} and records[0]["model"] == "judge"
+    assert {"trajectory_id", "messages", "reply", "flags", "latency_s", "error"} <= set(records[0])
+    assert records[0]["flags"] == [True, False] and "Step 2\nAction: look" in records[0]["messages"][1]["content"]
+    assert records[1]["reply"] is None and "InternalServerError" in records[1]["error"]
+    for path in tmp_path.rglob("*"):
+        assert SECRET not in path.read_text()
+
+
+def test_skip_all_neg(look_trajectories):
+    asked = []
+
+    def labeler(requests):
+        asked.extend(requests)
+        return [adca_grpo.LabelReply(judgments(r.num_steps, good=lambda j: True), None, 0.01, 1) for r in requests]
+
+    labeler.model_name = "scripted"
+    args = adca_grpo.Args(skip_type="skip_all_neg")
+    flags, metrics = adca_grpo.label_trajectories(look_trajectories, [0.5, -0.5, 0.0, -0.5], [1.0, 0.0, 1.0, 0.0], labeler, args, update=0)
+    assert len(asked) == 2 and metrics["prm/skipped"] == 2  # the two lost trajectories were not asked about
+    assert flags == [[True, True], [False, False], [True, True], [False, False]]
+
+
+# =============================================================================================
+# the model side: self labeller, one PPO-clip update, main() end to end (tiny model, CPU)
+# =============================================================================================
+def small_args(games_root, tiny_model_dir, output_dir, **overrides):
+    """Tiny budgets: 2 games x 2 episodes of at most 2 turns, short replies."""
+    settings = dict(model=str(tiny_model_dir), data_root=str(games_root), output_dir=str(output_dir), seed=0, num_updates=2,
+                    games_per_update=2, trajectories_per_game=2, max_turns=2, max_turn_tokens=24, max_trajectory_tokens=4096,
+                    micro_batch_tokens=8192, sample_batch_size=16, lora_rank=4, lora_alpha=8, save_every=0, eval_every=0,
+                    eval_games=1, skip_type="none", labeler_max_new_tokens=24)  # fmt: skip
+    return adca_grpo.Args(**{**settings, **overrides})
+
+
+def read_metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture
+def runtime(games_root, tiny_model_dir, tmp_path):
+    def build(**overrides):
+        args = small_args(games_root, tiny_model_dir, tmp_path, **overrides)
+        adca_grpo.seed_everything(args.seed)
+        return adca_grpo.make_runtime(args, adca_grpo.make_accelerator())
+
+    return build
+
+
+def test_self_labeler_on_the_tiny_model(runtime, look_trajectories):
+    rt = runtime(labeler_backend="self")
+    assert isinstance(rt.labeler, adca_grpo.PolicyLabeler)
+    flags, metrics = adca_grpo.label_trajectories(look_trajectories, [0.5, -0.5, 0.5, -0.5], [1.0, 0.0, 1.0, 0.0], rt.labeler, rt.args, 1)
+    assert metrics["prm/label_requests"] == 4 and metrics["prm/label_failures"] == 0 and metrics["prm/latency_p50"] > 0
+    # a random tiny model does not write judgments: every reply is counted and falls back to uniform flags
+    assert metrics["prm/parse_failures"] == 4 and flags == [[True, True], [False, False]] * 2
+    assert runtime(attribution=False).labeler is None and runtime(alpha=0.0).labeler is None
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_update_moves_logprob_with_the_advantage_sign(runtime, sign):
+    rt = runtime(learning_rate=1e-2)
+    (group,) = common.rollout([rt.fresh_state()], 1, rt.sample_fn, rt.protocol, horizon=2, max_episode_steps=2,
+                              max_turn_tokens=16, max_trajectory_tokens=4096)  # fmt: skip
+    tokens, old_logprobs, step_ids = group[0].sequence()
+    advantages = adca_grpo.broadcast_to_tokens([[sign] * len(group[0].steps)], torch.tensor([step_ids]))[0].tolist()
+    mask = [float(k >= 0) for k in step_ids]
+    datum = adca_grpo.Datum(tokens, old_logprobs, advantages, mask)
+
+    def generated_logprob():
+        (logprobs,) = adca_grpo.sequence_logprobs(rt.model, rt.accelerator, [tokens], rt.args.temperature, rt.tokenizer.pad_token_id, 8192)
+        return sum(lp for lp, m in zip(logprobs, mask) if m)
+
+    before = generated_logprob()
+    assert before == pytest.approx(sum(old_logprobs), abs=1e-3)  # sampling logprobs = teacher-forced ones
+    metrics = adca_grpo.train_step(rt.model, rt.optimizer, rt.accelerator, [datum], temperature=rt.args.temperature,
+                                   pad_id=rt.tokenizer.pad_token_id, micro_batch_tokens=8192, max_grad_norm=1.0, clip=(0.2, 0.2))  # fmt: skip
+    assert metrics["train/tokens"] == sum(mask) and metrics["train/clip_frac"] == 0 and metrics["train/nonfinite_skipped"] == 0
+    assert (generated_logprob() - before) * sign > 1e-4
+
+
+@pytest.mark.parametrize("overrides, flag", [
+    (dict(trajectories_per_game=1), "--trajectories-per-game"),
+    (dict(clip_eps=0.0), "--clip-eps"),
+    (dict(alpha=-0.1), "--alpha"),
+    (dict(alpha_schedule="cosine", alpha=0.1, alpha_min=0.2), "--alpha-min"),
+    (dict(labeler_backend="api"), "--labeler-base-url"),
+    (dict(labeler_concurrency=0), "--labeler-concurrency"),
+    (dict(max_trajectory_tokens=24, max_turn_tokens=24), "--max-trajectory-tokens"),
+    (dict(labeler_base_url="http://127.0.0.1:9/v1", labeler_api_key_env="ADCA_UNSET_KEY"), "--labeler-api-key-env"),
+])  # fmt: skip
+def test_invalid_flags_fail_at_start_naming_the_flag(overrides, flag, monkeypatch):
+    monkeypatch.delenv("ADCA_UNSET_KEY", raising=False)
+    with pytest.raises(ValueError, match=flag):
+        adca_grpo.main(adca_grpo.Args(model="/nonexistent", **overrides))  # fails before any model loads
+
+
+def test_smoke_self_labeler(games_root, tiny_model_dir, tmp_path):
+    run_dir = adca_grpo.main(small_args(games_root, tiny_model_dir, tmp_path, labeler_backend="self", eval_every=2,
+                                        labeler_log_dir=str(tmp_path / "labels")))  # fmt: skip
+    rows = read_metrics(run_dir)
+    assert [r["update"] for r in rows] == [1, 2] and {r["labeler"] for r in rows} == {"self"}
+    for row in rows:
+        assert row["prm/label_requests"] == 4 and row["prm/label_failures"] == 0
+        assert row["train/tokens"] == row["rollout/generated_tokens"]  # the labeller's replies are never trained on
+        for key in ("prm/decouple/alpha_effective", "prm/decouple/outcome_share_last_mean", "prm/good_rate",
+                    "rollout/success_rate", "train/grad_norm", "time/label"):
+            assert key in row, key
+    assert "eval/valid_seen/success_rate" in rows[1] and "eval/valid_unseen/invalid_action_rate" in rows[1]
+    assert len((tmp_path / "labels" / "labels_rank0.jsonl").read_text().splitlines()) == 8
+    assert (run_dir / "checkpoints" / "update_000002" / "adapter_model.safetensors").is_file()
+
+
+def test_smoke_api_labeler_then_resume_as_plain_grpo(games_root, tiny_model_dir, tmp_path, api_key):
+    def behave(content, attempt):
+        if attempt == 1 and "Step 2\n" in content:
+            return 429, RATE_LIMITED, 0.0
+        return 200, judgments(int(content.split("STEPS (")[1].split(" ")[0])), 0.0
+
+    with ScriptedEndpoint(behave) as server:
+        args = small_args(games_root, tiny_model_dir, tmp_path, labeler_log_dir=str(tmp_path / "labels"),
+                          **{k: v for k, v in vars(api_args(server.url)).items() if k.startswith("labeler_") and k != "labeler_max_new_tokens"})  # fmt: skip
+        run_dir = adca_grpo.main(args)
+    rows = read_metrics(run_dir)
+    assert {r["labeler"] for r in rows} == {"api"} and all(r["prm/label_requests"] == 4 for r in rows)
+    assert all(r["prm/label_failures"] == 0 and r["prm/parse_failures"] == 0 for r in rows)
+    assert all(r["prm/good_rate"] > 0 and r["prm/decouple/attr_std"] > 0 for r in rows)  # labels reached the advantages
+    for path in tmp_path.rglob("*"):
+        if path.is_file() and path.suffix in (".jsonl", ".json"):
+            assert SECRET not in path.read_text()
+
+    resumed = adca_grpo.main(adca_grpo.Args(**{**vars(args), "num_updates": 3, "resume": "auto", "attribution": False}))
+    assert resumed == run_dir
+    rows = read_metrics(run_dir)
+    assert [r["update"] for r in rows] == [1, 2, 3] and rows[2]["labeler"] == "none" and "prm/label_requests" not in rows[2]
+    state = json.loads((run_dir / "checkpoints" / "update_000003" / "trainer_state.json").read_text())
+    assert state["algorithm"] == "adca_grpo" and state["update"] == 3
