@@ -567,7 +567,7 @@ class _Game:
         return contexts
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=256)
 def _load_game(game_file: str, mtime_ns: int) -> _Game:
     return _Game(game_file)
 

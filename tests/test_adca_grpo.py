@@ -439,8 +439,8 @@ def test_smoke_api_labeler_then_resume_as_plain_grpo(games_root, tiny_model_dir,
         return 200, judgments(int(content.split("STEPS (")[1].split(" ")[0])), 0.0
 
     with ScriptedEndpoint(behave) as server:
-        args = small_args(games_root, tiny_model_dir, tmp_path, labeler_log_dir=str(tmp_path / "labels"),
-                          **{k: v for k, v in vars(api_args(server.url)).items() if k.startswith("labeler_") and k != "labeler_max_new_tokens"})  # fmt: skip
+        endpoint = {k: v for k, v in vars(api_args(server.url)).items() if k.startswith("labeler_") and k != "labeler_max_new_tokens"}
+        args = small_args(games_root, tiny_model_dir, tmp_path, **{**endpoint, "labeler_log_dir": str(tmp_path / "labels")})
         run_dir = adca_grpo.main(args)
     rows = read_metrics(run_dir)
     assert {r["labeler"] for r in rows} == {"api"} and all(r["prm/label_requests"] == 4 for r in rows)
