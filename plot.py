@@ -1,0 +1,102 @@
+"""Turn run directories into PNGs: the comparison figure (a metric vs update and vs generated tokens,
+one line per experiment, mean +/- std across seeds) and TEMPO's critic panel.
+
+    python plot.py runs/tempo__1__* runs/grpo__1__* --out plots/     (needs the `plot` extra: matplotlib)
+"""
+
+import dataclasses
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import tyro
+
+CRITIC_PANEL = ("critic/abs_error_mean", "critic/value_target_mean", "critic/value_corr", "critic/parse_failure_rate")
+TOKENS_METRIC = "rollout/generated_tokens"
+
+
+@dataclasses.dataclass
+class Args:
+    runs: tuple[Path, ...]
+    """run directories (each holds config.json and metrics.jsonl)"""
+    out: Path = Path("plots")
+    """folder for the PNGs"""
+    metrics: tuple[str, ...] = ("eval/valid_seen/success_rate", "eval/valid_unseen/success_rate")
+    """metrics of the comparison figure"""
+
+
+def load_run(run_dir: Path) -> tuple[str, list[dict]]:
+    config_file, metrics_file = run_dir / "config.json", run_dir / "metrics.jsonl"
+    if not config_file.is_file() or not metrics_file.is_file():
+        raise FileNotFoundError(f"{run_dir} is not a run directory (needs config.json and metrics.jsonl)")
+    config = json.loads(config_file.read_text())
+    rows = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
+    return config.get("exp_name", run_dir.name.split("__")[0]), rows
+
+
+def series(rows: list[dict], metric: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(updates, cumulative generated tokens, values) where the metric was logged."""
+    tokens = np.cumsum([row.get(TOKENS_METRIC, 0.0) for row in rows])
+    points = [(row["update"], tok, row[metric]) for row, tok in zip(rows, tokens) if metric in row]
+    if not points:
+        return np.zeros(0), np.zeros(0), np.zeros(0)
+    return tuple(np.array(column, dtype=float) for column in zip(*points))
+
+
+def mean_std(curves: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Align seeds on the x values they share (all of them where lengths differ: the shortest prefix)."""
+    length = min(len(x) for x, _ in curves)
+    xs = np.mean([x[:length] for x, _ in curves], axis=0)
+    ys = np.array([y[:length] for _, y in curves])
+    return xs, ys.mean(axis=0), ys.std(axis=0)
+
+
+def plot_metrics(runs: dict[str, list[list[dict]]], metrics: tuple[str, ...], out_file: Path, x_axes=("update", "tokens")):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(len(metrics), len(x_axes), figsize=(6 * len(x_axes), 3.5 * len(metrics)), squeeze=False)
+    for row, metric in enumerate(metrics):
+        for col, x_axis in enumerate(x_axes):
+            ax = axes[row][col]
+            for name, seeds in sorted(runs.items()):
+                curves = []
+                for rows in seeds:
+                    updates, tokens, values = series(rows, metric)
+                    if len(values):
+                        curves.append((updates if x_axis == "update" else tokens, values))
+                if not curves:
+                    continue
+                xs, mean, std = mean_std(curves)
+                ax.plot(xs, mean, label=f"{name} (n={len(curves)})")
+                ax.fill_between(xs, mean - std, mean + std, alpha=0.2)
+            ax.set_xlabel("update" if x_axis == "update" else "generated tokens")
+            ax.set_ylabel(metric)
+            ax.grid(alpha=0.3)
+            if ax.lines:
+                ax.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(out_file, dpi=120)
+    plt.close(figure)
+    return out_file
+
+
+def main(args: Args) -> list[Path]:
+    runs: dict[str, list[list[dict]]] = defaultdict(list)
+    for run_dir in args.runs:
+        name, rows = load_run(Path(run_dir))
+        runs[name].append(rows)
+    args.out.mkdir(parents=True, exist_ok=True)
+    written = [plot_metrics(runs, args.metrics, args.out / "comparison.png")]
+    if any(CRITIC_PANEL[0] in row for seeds in runs.values() for rows in seeds for row in rows):
+        written.append(plot_metrics(runs, CRITIC_PANEL, args.out / "critic.png", x_axes=("update",)))
+    for path in written:
+        print(path)
+    return written
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
