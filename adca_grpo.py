@@ -596,7 +596,7 @@ def close_distributed() -> None:
 
 
 # =============================================================================================
-# ADCA step 4: decouple fusion of step labels and outcomes -> step rewards -> token advantages
+# ADCA advantages (update steps 2 and 4): AgentEvolver's decouple fusion of labels and outcomes
 # =============================================================================================
 EPS = 1e-8
 
@@ -776,7 +776,7 @@ def alpha_at(update: int, args: Args) -> float:
 
 
 # =============================================================================================
-# ADCA step 3: the labeller (one request per trajectory, every step judged GOOD or BAD)
+# ADCA labels (update step 3): one request per trajectory, every step judged GOOD or BAD
 # =============================================================================================
 # Steps are numbered from 1 in the prompt ("Step 1" is the first step); parse_judgments maps them back to 0-based.
 LABEL_SYSTEM_PROMPT = (
@@ -841,14 +841,14 @@ def build_label_messages(task: str, steps: Sequence[tuple[str, str]], overall_sc
     return [{"role": "system", "content": LABEL_SYSTEM_PROMPT}, {"role": "user", "content": "\n".join(lines)}]
 
 
-@dataclasses.dataclass
+@dataclass
 class LabelRequest:
     trajectory_id: str
     messages: list[dict]
     num_steps: int
 
 
-@dataclasses.dataclass
+@dataclass
 class LabelReply:
     text: str | None  # None: no reply (errors, refusals, deadline)
     error: str | None

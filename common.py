@@ -977,7 +977,8 @@ class Completion:
 
 
 SampleFn = Callable[[list[list[int]], int], list[Completion]]
-STOP_WON, STOP_DONE, STOP_MAX_STEPS, STOP_HORIZON, STOP_TOKEN_BUDGET = "won", "done", "max_steps", "horizon", "token_budget"
+# ALFWorld's env is done exactly when the game is won (TextWorld never reports a loss), so "won" is its done.
+STOP_WON, STOP_MAX_STEPS, STOP_HORIZON, STOP_TOKEN_BUDGET = "won", "max_steps", "horizon", "token_budget"
 
 
 @dataclasses.dataclass
@@ -1076,7 +1077,7 @@ def rollout(
     """Run `num_branches` branches from every start state for up to `horizon` turns.
 
     Each turn makes ONE `sample_fn` call with the prompts of all live branches of all groups.
-    A branch stops when it wins, the env is done, the episode reaches `max_episode_steps`, the
+    A branch stops when it wins (the env's done), the episode reaches `max_episode_steps`, the
     segment reaches `horizon`, or the next turn would not fit in `max_trajectory_tokens`.
     A saved state that fails to restore gives an empty group (the caller counts it)."""
     groups, trajectories = [], []
@@ -1106,15 +1107,12 @@ def rollout(
             completions = sample_fn([t.tokens for t in live], max_turn_tokens)
             if len(completions) != len(live):
                 raise RuntimeError(f"sample_fn returned {len(completions)} completions for {len(live)} prompts")
+            actions = [parse_action(completion.text) for completion in completions]
             commands_by_group: dict[int, list[str | None]] = {}
-            for traj, completion in zip(live, completions):
-                action = parse_action(completion.text)
-                traj.pending = (completion, action)
-                commands = commands_by_group.setdefault(traj.group, [None] * num_branches)
-                commands[traj.branch] = action
+            for traj, action in zip(live, actions):
+                commands_by_group.setdefault(traj.group, [None] * num_branches)[traj.branch] = action
             turns_by_group = {g: groups[g].step(commands) for g, commands in commands_by_group.items()}
-            for traj in live:
-                completion, action = traj.__dict__.pop("pending")
+            for traj, completion, action in zip(live, completions, actions):
                 _record_step(traj, completion, action, turns_by_group[traj.group][traj.branch], protocol)
                 _check_stop(traj, horizon, max_episode_steps, max_turn_tokens, max_trajectory_tokens)
             turn_index += 1

@@ -400,6 +400,18 @@ def test_update_moves_logprob_with_the_advantage_sign(runtime, sign):
     assert (generated_logprob() - before) * sign > 1e-4
 
 
+def test_kl_to_the_base_model(runtime):
+    rt = runtime(kl_beta=0.5, attribution=False)
+    metrics, _ = adca_grpo.adca_update(rt, 1)
+    assert metrics["train/kl"] == pytest.approx(0.0, abs=1e-5)  # a fresh LoRA adapter is the base model
+    with torch.no_grad():  # move the adapter away from the base model
+        for name, param in rt.accelerator.unwrap_model(rt.model).named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, 0.5)
+    metrics, _ = adca_grpo.adca_update(rt, 2)
+    assert metrics["train/kl"] > 1e-3 and metrics["train/tokens"] == metrics["rollout/generated_tokens"]
+
+
 @pytest.mark.parametrize("overrides, flag", [
     (dict(trajectories_per_game=1), "--trajectories-per-game"),
     (dict(clip_eps=0.0), "--clip-eps"),
