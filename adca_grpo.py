@@ -127,7 +127,7 @@ class Args:
     labeler_api_key_env: str = "DASHSCOPE_API_KEY"
     """NAME of the environment variable holding the endpoint's key (the key itself is never logged)"""
     labeler_concurrency: int = 16
-    """labelling requests in flight at once"""
+    """labelling requests in flight at once (per process)"""
     labeler_timeout_s: float = 120.0
     """timeout of one request"""
     labeler_deadline_s: float = 900.0
@@ -1134,7 +1134,7 @@ def adca_update(rt: Runtime, update: int) -> tuple[dict, list[dict]]:
         step_flags, label_metrics = label_trajectories(trajectories, outcome_advantages, orm_scores, rt.labeler, args, update,
                                                        rt.accelerator.process_index, rt.label_log)  # fmt: skip
         metrics.update(label_metrics)
-    else:
+    else:  # uniform flags as for a skipped trajectory; with alpha 0 below they do not count
         step_flags = [[score > 0] * len(traj.steps) for traj, score in zip(trajectories, outcome_advantages)]
     t_label = time.time()
 

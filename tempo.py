@@ -100,6 +100,8 @@ class Args:
     """FIFO capacity of the store of macro-boundary states"""
     r_max: float = 1.0
     """return range used to normalise the critic reward -|V - G| / r_max"""
+    ppo_clip: tuple[float, float] | None = None
+    """(eps_low, eps_high): PPO-clip the ratio; None = plain importance-sampling policy gradient (Tinker style)"""
     prefix_is_correction: bool = False
     """weight a stored state's actor advantages by p_now(prefix) / p_old(prefix)"""
     prefix_is_max_weight: float = 2.0
@@ -588,7 +590,8 @@ def actor_signals(segment_rewards: Sequence[float], endpoint_values: Sequence[fl
     return returns, value_target, [r - value_target for r in returns]
 
 
-def critic_signals(values: Sequence[float | None], value_target: float, r_max: float) -> tuple[list[float], list[float]]:
+def critic_signals(values: Sequence[float | None], value_target: float,
+                   r_max: float) -> tuple[list[float], list[float]]:  # fmt: skip
     """Reward -|V_k - G| / r_max per critic sample (a parse failure, None, gets -r_max: the worst), centred
     within the group."""
     if not values:
@@ -614,14 +617,15 @@ PRIVILEGED_HEADER = "Reference solution (privileged, hidden from the agent):"
 def condensed_history(messages: Sequence[dict]) -> list[str]:
     """The chat as short lines: first observation, then per turn the action sent (or the failed format)
     and what the game answered. Admissible-action lists are dropped."""
-    lines = []
+    lines, turn = [], 0
     for message in messages:
         content = message["content"].split("\nAdmissible actions: ")[0]
         if message["role"] == "user":
             lines.append(f"Start: {content.strip()}")
         elif message["role"] == "assistant":
+            turn += 1
             action = common.parse_action(content)
-            lines.append(f"Step {sum(l.startswith('Step ') for l in lines) + 1}: " + (f"> {action}" if action else "(no valid action)"))
+            lines.append(f"Step {turn}: " + (f"> {action}" if action else "(no valid action)"))
         elif message["role"] == "tool":
             status, _, observation = content.partition("\nObservation: ")
             lines[-1] += f" [{status.removeprefix('Status: ').split(':')[0]}] {observation.strip()}"
@@ -694,6 +698,8 @@ def validate_args(args: Args) -> None:
         (args.state_store_capacity >= args.states_per_batch,
          f"--state-store-capacity ({args.state_store_capacity}) must be >= --states-per-batch ({args.states_per_batch})"),
         (args.r_max > 0, f"--r-max must be > 0, got {args.r_max}"),
+        (args.ppo_clip is None or (0 < args.ppo_clip[0] < 1 and args.ppo_clip[1] > 0),
+         f"--ppo-clip needs 0 < eps_low < 1 and eps_high > 0, got {args.ppo_clip}"),
         (args.prefix_is_max_weight >= 1, f"--prefix-is-max-weight must be >= 1, got {args.prefix_is_max_weight}"),
         (args.max_turn_tokens >= 1, f"--max-turn-tokens must be >= 1, got {args.max_turn_tokens}"),
         (args.max_critic_tokens >= 1, f"--max-critic-tokens must be >= 1, got {args.max_critic_tokens}"),
@@ -736,7 +742,7 @@ class Runtime:
     def train(self, datums: list[Datum]) -> dict:
         return train_step(self.model, self.optimizer, self.accelerator, datums, temperature=self.args.temperature,
                           pad_id=self.tokenizer.pad_token_id, micro_batch_tokens=self.args.micro_batch_tokens,
-                          max_grad_norm=self.args.max_grad_norm, clip=None)  # fmt: skip
+                          max_grad_norm=self.args.max_grad_norm, clip=self.args.ppo_clip)  # fmt: skip
 
 
 def rollout_metrics(trajectories: Sequence[common.Trajectory]) -> dict:
@@ -753,6 +759,8 @@ def rollout_metrics(trajectories: Sequence[common.Trajectory]) -> dict:
 
 def critic_metrics(values: Sequence[float | None], targets: Sequence[float]) -> dict:
     """Error and correlation of the critic's parsed values against their targets (value per sample)."""
+    if not values:
+        return {}
     pairs = [(v, g) for v, g in zip(values, targets) if v is not None]
     metrics = {"critic/parse_failure_rate": 1 - len(pairs) / max(1, len(values))}
     if pairs:
@@ -826,7 +834,8 @@ def warmup_update(rt: Runtime) -> tuple[dict, list[dict]]:
 # =============================================================================================
 def can_continue(traj: common.Trajectory, args: Args) -> bool:
     """Stopped at the macro boundary with room for another turn: not won, under T, within the token budget."""
-    return traj.stop_reason == common.STOP_HORIZON and len(traj.tokens) + args.max_turn_tokens <= args.max_trajectory_tokens
+    fits = len(traj.tokens) + args.max_turn_tokens <= args.max_trajectory_tokens
+    return traj.stop_reason == common.STOP_HORIZON and fits
 
 
 def prefix_weights(rt: Runtime, starts: Sequence[common.SavedState]) -> list[float | None]:
@@ -838,7 +847,8 @@ def prefix_weights(rt: Runtime, starts: Sequence[common.SavedState]) -> list[flo
     weights: list[float | None] = [None] * len(starts)
     for i, logprobs in zip(with_prefix, current):
         state = starts[i]
-        log_ratio = sum(now - old for now, old, k in zip(logprobs, state.prefix_logprobs, state.prefix_step_ids) if k >= 0)
+        generated = zip(logprobs, state.prefix_logprobs, state.prefix_step_ids)
+        log_ratio = sum(now - old for now, old, k in generated if k >= 0)
         weights[i] = math.exp(min(log_ratio, math.log(rt.args.prefix_is_max_weight)))
     return weights
 
@@ -864,8 +874,8 @@ def td_update(rt: Runtime) -> tuple[dict, list[dict]]:
     endpoints = [traj for traj in trajectories if can_continue(traj, args)]
     endpoint_prompts = [rt.critic_prompt(t.start.game_file, t.start.task, t.messages, t.round_index) for t in endpoints]
     start_prompts = [rt.critic_prompt(s.game_file, s.task, s.messages, s.round_index) for s, _ in live]
-    replies = rt.sample_fn([p for p in endpoint_prompts for _ in range(E)] + [p for p in start_prompts for _ in range(K)],
-                           args.max_critic_tokens)  # fmt: skip
+    critic_batch = [p for p in endpoint_prompts for _ in range(E)] + [p for p in start_prompts for _ in range(K)]
+    replies = rt.sample_fn(critic_batch, args.max_critic_tokens)  # one batched call for all critic samples
     endpoint_replies, start_replies = replies[: len(endpoints) * E], replies[len(endpoints) * E :]
     endpoint_value, endpoint_failures = {}, 0
     for i, traj in enumerate(endpoints):

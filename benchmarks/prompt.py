@@ -66,15 +66,16 @@ def main():
             delta = protocol.delta(completion, content)
         per_turn.append((time.perf_counter() - start) / 20)
         prompt += completion + delta
-    full = protocol.render(
-        [{"role": "system", "content": common.SYSTEM_PROMPT}, {"role": "user", "content": "x"}]
-        + [{"role": m, "content": "y"} for _ in range(50) for m in ("assistant", "tool")], True)
+    reply = protocol.tokenizer.decode(completion, skip_special_tokens=True)
+    history = state.messages + [{"role": m, "content": c} for _ in range(50) for m, c in (("assistant", reply), ("tool", content))]
+    full = protocol.render(history, add_generation_prompt=True)
     start = time.perf_counter()
-    protocol.encode(full)
+    protocol.encode(protocol.render(history, add_generation_prompt=True))
     retokenise = time.perf_counter() - start
     print(f"prompt extension: turn 1 {per_turn[0] * 1e6:.0f} us, turn 50 {per_turn[-1] * 1e6:.0f} us "
-          f"(ratio {per_turn[-1] / per_turn[0]:.2f}); prompt at turn 50 = {len(prompt)} tokens; "
-          f"re-rendering + tokenising a 50-turn chat instead: {retokenise * 1e6:.0f} us")
+          f"(ratio {per_turn[-1] / per_turn[0]:.2f}); prompt at turn 50 = {len(prompt)} tokens "
+          f"(full render {len(protocol.encode(full))}); re-rendering + re-tokenising the 50-turn chat instead: "
+          f"{retokenise * 1e6:.0f} us ({retokenise / per_turn[-1]:.0f}x)")
 
     # 2. rollout turn time, sampling vs the rest
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()

@@ -155,7 +155,7 @@ def test_label_prompt_numbers_steps_from_one():
 class ScriptedEndpoint:
     """A real HTTP server on 127.0.0.1 speaking /v1/chat/completions. `behave(content, attempt)` gets the
     user message and the 1-based attempt number for that message and returns (status, payload, delay_s);
-    a str payload is the assistant's reply, a dict is sent as the JSON body."""
+    a str payload is the assistant's reply, a dict is sent as the JSON body, bytes are sent as they are."""
 
     def __init__(self, behave):
         self.behave, self.lock, self.stop = behave, threading.Lock(), threading.Event()
@@ -184,7 +184,7 @@ class ScriptedEndpoint:
                         payload = {"id": "c", "object": "chat.completion", "created": 0, "model": body["model"],
                                    "choices": [{"index": 0, "finish_reason": "stop",
                                                 "message": {"role": "assistant", "content": payload}}]}  # fmt: skip
-                    data = json.dumps(payload).encode()
+                    data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
                     self.send_response(status)
                     self.send_header("Content-Type", "application/json")
                     self.send_header("Content-Length", str(len(data)))
@@ -263,16 +263,19 @@ def test_api_labeler_refusals_timeouts_and_the_deadline(api_key):
             return 400, REFUSED, 0.0
         if content.startswith("slow"):
             return 200, judgments(2), 30.0
+        if content.startswith("mangled") and attempt == 1:
+            return 200, b"<html>502 Bad Gateway</html>", 0.0
         return 200, judgments(2), 0.0
 
     with ScriptedEndpoint(behave) as server:
         args = api_args(server.url, labeler_timeout_s=0.3, labeler_deadline_s=1.5, labeler_error_backoff_s=0.05)
         start = time.monotonic()
-        refused, slow, fine = adca_grpo.ApiLabeler(args)([request("refused"), request("slow"), request("fine")])
+        refused, slow, mangled, fine = adca_grpo.ApiLabeler(args)([request(n) for n in ("refused", "slow", "mangled", "fine")])
         elapsed = time.monotonic() - start
     assert refused.text is None and refused.attempts == 2 and "BadRequestError" in refused.error  # gave up after 2 refusals
     assert slow.text is None and slow.attempts >= 2 and "deadline" in slow.error  # per-request timeouts, then the deadline
-    assert fine.text is not None
+    assert mangled.attempts == 2 and adca_grpo.parse_judgments(mangled.text, 2) == [True, False]  # a garbage body is retried
+    assert fine.text is not None and fine.attempts == 1
     assert elapsed < 1.5 + 1.0  # a dead endpoint never stalls past the deadline
 
 

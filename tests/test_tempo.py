@@ -124,6 +124,7 @@ def test_critic_signals_with_parse_failures():
     (dict(endpoint_samples=0), "--endpoint-samples"),
     (dict(state_store_capacity=2, states_per_batch=4), "--state-store-capacity"),
     (dict(r_max=0.0), "--r-max"),
+    (dict(ppo_clip=(1.5, 0.2)), "--ppo-clip"),
     (dict(max_trajectory_tokens=512, max_turn_tokens=512), "--max-trajectory-tokens"),
     (dict(temperature=0.0), "--temperature"),
     (dict(top_p=1.5), "--top-p"),
@@ -221,6 +222,19 @@ def test_update_moves_logprob_with_the_advantage_sign(runtime, sign):
     assert metrics["train/ratio_mean"] == pytest.approx(1.0, abs=1e-3) and metrics["train/grad_norm"] > 0
     after = logprob_sum()
     assert (after - before) * sign > 1e-4
+
+
+def test_ppo_clip_option_stops_the_gradient_outside_the_band(runtime):
+    rt = runtime(learning_rate=1e-2, ppo_clip=(0.2, 0.2))
+    prompt = rt.fresh_state().prefix_tokens
+    (reply,) = rt.sample_fn([prompt], 16)
+    stale = [lp - 1.0 for lp in reply.logprobs]  # ratio = e > 1.2 on every trained token
+    clipped = tempo.critic_datum(prompt, common.Completion(reply.tokens, stale, reply.text), 1.0)
+    metrics = rt.train([clipped])
+    assert metrics["train/clip_frac"] == 1.0 and metrics["train/grad_norm"] == 0.0
+    assert metrics["train/ratio_mean"] == pytest.approx(math.e, rel=1e-3)
+    metrics = rt.train([tempo.critic_datum(prompt, common.Completion(reply.tokens, stale, reply.text), -1.0)])
+    assert metrics["train/clip_frac"] == 0.0 and metrics["train/grad_norm"] > 0  # pessimistic side: not clipped
 
 
 def test_token_budget_batches():
