@@ -615,6 +615,7 @@ class EnvSnapshot:
     vars_by_type: dict
     var_counts: Counter
     turn: Turn | None
+    actions: tuple[str, ...] = ()  # commands since reset (filled in by EnvGroup: its rebuild replays them)
 
 
 class AlfredEnv:
@@ -717,10 +718,10 @@ class AlfredEnv:
         state._operators = self.turn.operators
         return self.turn
 
-    def close(self):
-        if self._lib is not None:
+    def close(self, reuse_library: bool = True):
+        if self._lib is not None and reuse_library:
             _FREE_PLANNER_LIBRARIES.append(self._lib)
-            self._lib = None
+        self._lib = None
 
 
 # =============================================================================================
@@ -756,43 +757,79 @@ class SavedState:
 
 class EnvGroup:
     """N branches of one game. They share one planner library but never state: each branch is a
-    snapshot that is restored (O(1)) before it steps, so branches are independent copies."""
+    snapshot that is restored (O(1)) before it steps, so branches are independent copies. If the
+    engine fails, the group rebuilds itself from the branches' action histories and carries on."""
 
     def __init__(self, game_file: str | Path, num_branches: int):
         if num_branches < 1:
             raise ValueError(f"num_branches must be >= 1, got {num_branches}")
         self.env = AlfredEnv(game_file)
         self.game_file = self.env.game_file
-        self.turns = [self.env.reset()] * num_branches
+        self.recoveries = 0
+        self.env.reset()
         self._branches = [self.env.snapshot()] * num_branches
 
     @property
     def num_branches(self) -> int:
         return len(self._branches)
 
+    @property
+    def turns(self) -> list[Turn]:
+        return [snapshot.turn for snapshot in self._branches]
+
     def reset(self) -> list[Turn]:
-        turn = self.env.reset()
+        self.env.reset()
         self._branches = [self.env.snapshot()] * self.num_branches
-        self.turns = [turn] * self.num_branches
-        return list(self.turns)
+        return self.turns
 
     def step(self, commands: Sequence[str | None]) -> list[Turn]:
         """One command per branch; None leaves that branch where it is."""
         if len(commands) != self.num_branches:
             raise ValueError(f"expected {self.num_branches} commands, got {len(commands)}")
         for branch, command in enumerate(commands):
-            if command is not None:
-                self.env.restore(self._branches[branch])
-                self.turns[branch] = self.env.step(command)
-                self._branches[branch] = self.env.snapshot()
-        return list(self.turns)
+            if command is None:
+                continue
+            try:
+                self._step_branch(branch, command)
+            except ReplayMismatchError:
+                raise
+            except Exception as error:  # the engine broke: rebuild it, then retry once
+                print(f"[EnvGroup] {self.game_file}: engine failed ({error!r}); rebuilding from action histories",
+                      file=sys.stderr)  # fmt: skip
+                self._rebuild()
+                self._step_branch(branch, command)
+        return self.turns
+
+    def _step_branch(self, branch: int, command: str):
+        before = self._branches[branch]
+        self.env.restore(before)
+        self.env.step(command)
+        self._branches[branch] = dataclasses.replace(self.env.snapshot(), actions=before.actions + (command,))
+
+    def _rebuild(self):
+        """A fresh env (the failed planner library is dropped, never reused); every branch replayed."""
+        self.env.close(reuse_library=False)
+        self.env = AlfredEnv(self.game_file)
+        self._branches = [self._replay(b.actions, b.turn.observation, b.turn.admissible) for b in self._branches]
+        self.recoveries += 1
+
+    def _replay(self, actions: Sequence[str], observation: str, admissible: Sequence[str]) -> EnvSnapshot:
+        turn = self.env.reset()
+        for command in actions:
+            turn = self.env.step(command)
+        if turn.observation != observation or turn.admissible != list(admissible):
+            raise ReplayMismatchError(
+                f"{self.game_file}: replaying {len(actions)} actions gave observation {turn.observation!r} "
+                f"(saved: {observation!r}); admissible lists {'match' if turn.admissible == list(admissible) else 'differ'}"
+            )
+        return dataclasses.replace(self.env.snapshot(), actions=tuple(actions))
 
     def snapshot(self, branch: int) -> EnvSnapshot:
         return self._branches[branch]
 
     def restore_snapshot(self, branch: int, snapshot: EnvSnapshot) -> Turn:
         """O(1) in-process restore of a snapshot taken from this group."""
-        self._branches[branch], self.turns[branch] = snapshot, snapshot.turn
+        self._branches[branch] = snapshot
         return snapshot.turn
 
     def restore(self, state: SavedState) -> Turn:
@@ -800,18 +837,8 @@ class EnvGroup:
         observation and admissible commands word for word. Raises ReplayMismatchError."""
         if Path(state.game_file).resolve() != Path(self.game_file).resolve():
             raise ValueError(f"state is for {state.game_file}, this group plays {self.game_file}")
-        turn = self.env.reset()
-        for command in state.actions:
-            turn = self.env.step(command)
-        if turn.observation != state.observation or turn.admissible != state.admissible:
-            raise ReplayMismatchError(
-                f"{self.game_file}: replaying {len(state.actions)} actions gave observation {turn.observation!r} "
-                f"(saved: {state.observation!r}); admissible lists {'match' if turn.admissible == state.admissible else 'differ'}"
-            )
-        snapshot = self.env.snapshot()
-        self._branches = [snapshot] * self.num_branches
-        self.turns = [turn] * self.num_branches
-        return turn
+        self._branches = [self._replay(state.actions, state.observation, state.admissible)] * self.num_branches
+        return self._branches[0].turn
 
     def close(self):
         self.env.close()

@@ -199,3 +199,21 @@ def test_grammar_code_cannot_run(tmp_path, all_games):
         name, id, indefinite = "", "mug_bar_1", "a"
     compiled = common._compile_grammar_expression("o.indefinite + ' ' + (o.name or o.id)", "g")
     assert compiled({"o": Info()}) == "a mug_bar_1"
+
+
+def test_group_rebuilds_itself_when_the_engine_fails(all_games):
+    game_file = all_games[0]
+    walkthrough = common.load_walkthrough(game_file)
+    with common.EnvGroup(game_file, 2) as healthy, common.EnvGroup(game_file, 2) as failing:
+        detour = [c for c in healthy.turns[0].admissible if c.startswith("go to") and c != walkthrough[0]][0]
+        plans = [walkthrough, [detour, "look"] + walkthrough]
+        for step in range(len(walkthrough)):
+            commands = [plan[step] for plan in plans]
+            expected = healthy.step(commands)
+            if step == 2:
+                broken_library = failing.env._lib
+                failing.env.close(reuse_library=False)  # the engine dies under the group
+            got = failing.step(commands)
+            assert [(t.observation, t.admissible, t.won) for t in got] == [(t.observation, t.admissible, t.won) for t in expected]
+        assert failing.recoveries == 1 and failing.env._lib is not broken_library
+        assert got[0].won
