@@ -276,36 +276,27 @@ def plan_walkthrough(planner, game):
         sys.argv = argv
 
 
-def replay_games(game_files, max_steps=200):
-    """Play each game's stored walkthrough in one textworld.gym env with ALFWorld's wrappers (as ALFWorld
-    trains); returns {game_file: (won, observations)}. One env for all: each env loads its own copy of
-    libdownward.so, which is never unloaded."""
+def replay_games(game_files, max_steps=200) -> dict[str, bool]:
+    """Play each game's stored walkthrough in stock TextWorld with ALFWorld's wrappers (as ALFWorld trains);
+    returns {game_file: won}. Only for games this module generated: stock TextWorld eval()s grammar code.
+    One env for all: each env loads its own copy of libdownward.so."""
     infos = textworld.EnvInfos(won=True, admissible_commands=True, extras=["gamefile"])
     env_id = textworld.gym.register_games(list(game_files), infos, batch_size=1, asynchronous=False,
                                           max_episode_steps=max_steps, wrappers=[AlfredDemangler, AlfredInfos])
     argv, env, results = sys.argv, textworld.gym.make(env_id), {}
     try:
         for _ in game_files:  # the env's first cycle visits each game once, in a shuffled order
-            obs, info = env.reset()
-            game_file, observations = info["extra.gamefile"][0], [obs[0]]
-            with open(game_file) as f:
-                walkthrough = json.load(f)["walkthrough"] or []
-            won = False
-            for cmd in walkthrough:
-                obs, _, _, info = env.step([cmd])
+            _, info = env.reset()
+            game_file, won = info["extra.gamefile"][0], False
+            for command in load_walkthrough(game_file):
+                _, _, _, info = env.step([command])
                 won = info["won"][0]
-                observations.append(obs[0])
-            results[game_file] = (bool(won), observations)
+            results[game_file] = bool(won)
     finally:
         env.close()
         sys.argv = argv
         textworld.gym.registry.pop(env_id, None)
     return results
-
-
-def validate_game(game_file) -> bool:
-    """True when the game's stored walkthrough reaches won == True in the real engine."""
-    return replay_games([game_file])[game_file][0]
 
 
 def _write_json(path, data):
@@ -375,7 +366,7 @@ def make_games(out_dir, n: int, seed: int = 0, max_receptacles: int = 15, log=pr
         results = replay_games([files[i] for i in todo])
         log("replayed %d games in %.1fs" % (len(todo), time.time() - t0))
         for i in todo:
-            if not results[files[i]][0]:
+            if not results[files[i]]:
                 log("  discarded, walkthrough did not win: " + files[i])
                 shutil.rmtree(os.path.dirname(files[i]))
                 files[i] = None

@@ -217,3 +217,17 @@ def test_group_rebuilds_itself_when_the_engine_fails(all_games):
             assert [(t.observation, t.admissible, t.won) for t in got] == [(t.observation, t.admissible, t.won) for t in expected]
         assert failing.recoveries == 1 and failing.env._lib is not broken_library
         assert got[0].won
+
+
+def test_make_games_is_deterministic_and_has_a_cli(tmp_path):
+    import subprocess
+    import sys
+
+    files = common.make_games(tmp_path / "direct", n=2, seed=5, log=lambda *a: None)
+    assert len(files) == 2 and all(Path(f).is_file() for f in files)
+    subprocess.run([sys.executable, str(Path(common.__file__)), "make-games", "--out", str(tmp_path / "cli"),
+                    "--n", "2", "--seed", "5"], check=True, capture_output=True)
+    direct = sorted(p.relative_to(tmp_path / "direct") for p in (tmp_path / "direct").rglob("*") if p.is_file())
+    cli = sorted(p.relative_to(tmp_path / "cli") for p in (tmp_path / "cli").rglob("*") if p.is_file())
+    assert direct == cli and len(direct) == 4
+    assert all((tmp_path / "direct" / p).read_bytes() == (tmp_path / "cli" / p).read_bytes() for p in direct)
