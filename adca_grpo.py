@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -25,6 +26,7 @@ import re
 import shutil
 import sys
 import time
+import zipfile
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -127,7 +129,7 @@ class Args:
     labeler_api_key_env: str = "DASHSCOPE_API_KEY"
     """NAME of the environment variable holding the endpoint's key (the key itself is never logged)"""
     labeler_concurrency: int = 16
-    """labelling requests in flight at once (per process)"""
+    """labelling requests in flight at once, all processes together (split across them)"""
     labeler_timeout_s: float = 120.0
     """timeout of one request"""
     labeler_deadline_s: float = 900.0
@@ -166,18 +168,19 @@ class Args:
     resume: str = ""
     """"" = new run, "auto" = newest checkpoint of the latest run named exp_name, or a checkpoint/run path"""
     eval_only: str = ""
-    """evaluate this checkpoint and exit"""
+    """evaluate a checkpoint (its dir, a run dir = its newest, or "auto") into a new run dir's metrics.jsonl, and exit"""
 
 
 # ===== model side: identical in tempo.py and adca_grpo.py =====
-# Loading, sampling, teacher-forced logprobs, the loss and update, run logging, checkpoints and evaluation.
-# Reads only the shared Args fields; everything algorithm-specific is passed in.
+# Start-up checks, loading, sampling, teacher-forced logprobs, the loss and update, run logging, checkpoints and
+# evaluation. Reads only the shared Args fields; everything algorithm-specific is passed in.
 def validate_model_args(args) -> None:
     """Fail at start, naming the flag, on any shared setting that cannot work."""
     checks = [
+        (bool(args.model), "--model must not be empty"),
         (args.lora_rank >= 1, f"--lora-rank must be >= 1, got {args.lora_rank}"),
         (args.lora_alpha > 0, f"--lora-alpha must be > 0, got {args.lora_alpha}"),
-        (len(args.lora_targets) >= 1, "--lora-targets must name at least one module"),
+        (len(args.lora_targets) >= 1 and all(args.lora_targets), "--lora-targets must name at least one module"),
         (args.learning_rate > 0, f"--learning-rate must be > 0, got {args.learning_rate}"),
         (all(0 <= b < 1 for b in args.adam_betas), f"--adam-betas must lie in [0, 1), got {args.adam_betas}"),
         (args.weight_decay >= 0, f"--weight-decay must be >= 0, got {args.weight_decay}"),
@@ -186,14 +189,20 @@ def validate_model_args(args) -> None:
         (0 < args.top_p <= 1, f"--top-p must lie in (0, 1], got {args.top_p}"),
         (args.micro_batch_tokens >= 1, f"--micro-batch-tokens must be >= 1, got {args.micro_batch_tokens}"),
         (args.sample_batch_size >= 1, f"--sample-batch-size must be >= 1, got {args.sample_batch_size}"),
-        (args.task_types is None or set(args.task_types) <= set(common.TASK_TYPES),
+        (args.data_root is None or bool(args.data_root), "--data-root must not be empty (leave it unset for the offline games)"),
+        (args.split in ("train", "valid_seen", "valid_unseen"), f"--split must be train, valid_seen or valid_unseen, got {args.split!r}"),
+        (args.task_types is None or (len(args.task_types) >= 1 and set(args.task_types) <= set(common.TASK_TYPES)),
          f"--task-types must be among {common.TASK_TYPES}, got {args.task_types}"),
+        (args.seed >= 0, f"--seed must be >= 0, got {args.seed}"),
         (bool(args.exp_name) and "__" not in args.exp_name and "/" not in args.exp_name,
          f"--exp-name must be non-empty without '__' or '/', got {args.exp_name!r}"),
+        (bool(args.output_dir), "--output-dir must not be empty"),
+        (not args.track or bool(args.wandb_project), "--wandb-project must not be empty with --track"),
         (args.save_every >= 0, f"--save-every must be >= 0, got {args.save_every}"),
         (args.eval_every >= 0, f"--eval-every must be >= 0, got {args.eval_every}"),
         (args.eval_games >= 0, f"--eval-games must be >= 0, got {args.eval_games}"),
         (not (args.resume and args.eval_only), "--resume and --eval-only cannot be combined"),
+        (not args.eval_only or args.eval_games >= 1, "--eval-only needs --eval-games >= 1"),
     ]  # fmt: skip
     for ok, message in checks:
         if not ok:
@@ -201,9 +210,55 @@ def validate_model_args(args) -> None:
 
 
 def make_accelerator():
+    """CPU or CUDA; DDP when launched on several processes. FSDP and DeepSpeed are refused: the update sums
+    LoRA gradients by hand and generate() runs on the unwrapped model, both of which need whole weights per process."""
     from accelerate import Accelerator
+    from accelerate.utils import DistributedType
 
-    return Accelerator(cpu=not torch.cuda.is_available())
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    if accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM):
+        raise ValueError(f"accelerate config: {accelerator.distributed_type} is not supported; launch with DDP "
+                         "(accelerate launch --multi_gpu), see the README")  # fmt: skip
+    return accelerator
+
+
+def require_writable_dir(path, flag: str) -> Path:
+    """Create `path` if needed and prove a file can be written there; the error names the flag."""
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".write_probe_{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as error:
+        raise ValueError(f"{flag} {path} is not a writable directory: {error}") from error
+    return path
+
+
+def check_model(model: str) -> None:
+    """The model's config must be readable (a local dir with config.json, the HF cache, or the hub) before
+    anything loads; `tiny` is always there."""
+    from transformers import AutoConfig
+
+    if model == "tiny":
+        return
+    looks_local = os.path.isabs(model) or model.startswith(".") or os.path.exists(model)
+    if looks_local and not os.path.isfile(os.path.join(model, "config.json")):
+        raise ValueError(f"--model {model}: no such model directory (expected a config.json there)")
+    try:
+        AutoConfig.from_pretrained(model)
+    except (OSError, ValueError) as error:
+        raise ValueError(f"--model {model}: cannot load its config ({error})") from error
+
+
+def training_games(args, accelerator) -> tuple[str, list[str]]:
+    """(data root, this process's shard of the training games, shuffled with the seed); fails naming --data-root."""
+    data_root = args.data_root or str(common.default_data_root())
+    try:
+        games = common.discover_games(data_root, args.split, args.task_types, seed=args.seed)
+    except FileNotFoundError as error:
+        raise ValueError(f"--data-root {data_root}: {error}") from error
+    return data_root, games[accelerator.process_index :: accelerator.num_processes] or games
 
 
 def seed_everything(seed: int) -> None:
@@ -390,6 +445,8 @@ def train_step(model, optimizer, accelerator, datums: list[Datum], *, temperatur
     finite = math.isfinite(loss_total) and math.isfinite(grad_norm)
     if finite:
         optimizer.step()
+    elif accelerator.is_main_process:
+        print(f"[train] non-finite loss {loss_total} or gradient norm {grad_norm}: step skipped", file=sys.stderr)
     optimizer.zero_grad(set_to_none=True)
     return {
         "train/loss": loss_total, "train/tokens": total_tokens, "train/grad_norm": grad_norm,
@@ -415,11 +472,29 @@ def new_run_dir(args) -> Path:
     return Path(args.output_dir) / f"{args.exp_name}__{args.seed}__{int(time.time())}"
 
 
+def drop_rows_after(path: Path, update: int) -> None:
+    """Keep only the JSONL rows of updates <= `update`: a run that died after logging an update but before
+    checkpointing it repeats that update when resumed. A line cut short by the kill goes too."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["update"] <= update:
+                kept.append(line + "\n")
+        except (ValueError, KeyError, TypeError):
+            continue
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept))
+    os.replace(tmp, path)
+
+
 class RunLogger:
-    """config.json, metrics.jsonl (one line per update), samples.jsonl, optional W&B, and a tqdm bar.
+    """config.json, metrics.jsonl (one line per update), samples.jsonl, optional W&B (metrics and a table of
+    sample trajectories per update), and tqdm bars over updates and over the turns of the current rollout.
     Only the main process writes."""
 
-    def __init__(self, args, run_dir: Path, accelerator, total_updates: int, first_update: int, postfix_keys=()):
+    def __init__(self, args, run_dir: Path, accelerator, total_updates: int, done: int, postfix_keys=()):
         from tqdm import tqdm
 
         self.run_dir, self.postfix_keys = Path(run_dir), postfix_keys
@@ -428,15 +503,31 @@ class RunLogger:
         if not self.active:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        if done:
+            for name in ("metrics.jsonl", "samples.jsonl"):
+                drop_rows_after(self.run_dir / name, done)
         (self.run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
         self.metrics_file = open(self.run_dir / "metrics.jsonl", "a")
         self.samples_file = open(self.run_dir / "samples.jsonl", "a")
         if args.track:
-            import wandb  # the mode comes from WANDB_MODE: never forced online
+            import wandb
 
-            self.wandb = wandb.init(project=args.wandb_project, name=self.run_dir.name,
-                                    config=dataclasses.asdict(args), dir=str(self.run_dir))  # fmt: skip
-        self.bar = tqdm(total=total_updates, initial=first_update, desc=self.run_dir.name, dynamic_ncols=True)
+            # The mode comes from WANDB_MODE, never forced online; without it and without credentials: offline.
+            mode = None if os.environ.get("WANDB_MODE") or wandb.login(prompt=False, verify=False) else "offline"
+            self.wandb = wandb.init(project=args.wandb_project, name=self.run_dir.name, id=self.run_dir.name, resume="allow",
+                                    config=dataclasses.asdict(args), dir=None if os.environ.get("WANDB_DIR") else str(self.run_dir),
+                                    mode=mode)  # fmt: skip
+        self.bar = tqdm(total=total_updates, initial=done, desc=self.run_dir.name, unit="update", dynamic_ncols=True)
+        self.turns = tqdm(desc="rollout", unit="turn", position=1, leave=False, dynamic_ncols=True)
+
+    def on_turn(self, turn_index: int, live_branches: int) -> None:
+        """common.rollout's progress callback: turns done in the current rollout, branches still playing."""
+        if not self.active:
+            return
+        if turn_index == 1:
+            self.turns.reset()
+        self.turns.update(1)
+        self.turns.set_postfix(live=live_branches)
 
     def log(self, update: int, metrics: dict, samples: Sequence[dict] = ()):
         if not self.active:
@@ -448,13 +539,20 @@ class RunLogger:
         self.samples_file.flush()
         numeric = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
         if self.wandb is not None:
-            self.wandb.log(numeric, step=update)
+            import wandb
+
+            rows = [[update, s.get("game", ""), s.get("task", ""),
+                     "\n\n".join(f"[{m['role']}] {m['content']}" for m in s.get("messages", ())),
+                     json.dumps({k: v for k, v in s.items() if k not in ("game", "task", "messages")})] for s in samples]  # fmt: skip
+            table = {"samples": wandb.Table(columns=["update", "game", "task", "messages", "details"], data=rows)} if rows else {}
+            self.wandb.log({**numeric, **table}, step=update)
         self.bar.update(1)
         self.bar.set_postfix({k.split("/")[-1]: f"{numeric[k]:.3g}" for k in self.postfix_keys if k in numeric})
 
     def close(self):
         if not self.active:
             return
+        self.turns.close()
         self.bar.close()
         self.metrics_file.close()
         self.samples_file.close()
@@ -482,76 +580,143 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(run_dir: Path, update: int, model, optimizer, accelerator, algorithm: str,
-                    trainer_state: dict, rank_state: dict) -> Path | None:  # fmt: skip
-    """checkpoints/update_{n:06d}/: adapter (safetensors), optimizer, RNG states and trainer_state.json of every
-    process. Written to a temporary dir and renamed, so a checkpoint dir is always complete. All processes call."""
-    from accelerate.utils import gather_object
+def adapter_sha256(adapter: dict[str, torch.Tensor]) -> str:
+    """Checksum of an adapter state dict (names and fp32 values), as saved in adapter_model.safetensors."""
+    digest = hashlib.sha256()
+    for name in sorted(adapter):
+        digest.update(name.encode())
+        digest.update(adapter[name].detach().float().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
 
-    per_rank = [{"state": rank_state, "rng": _rng_state()}]
+
+def save_checkpoint(run_dir: Path, update: int, model, optimizer, accelerator, algorithm: str,
+                    trainer_state: dict, rank_state: dict) -> Path:  # fmt: skip
+    """checkpoints/update_{n:06d}/: adapter (safetensors), optimizer, RNG states and trainer_state.json of every
+    process, written by the main process into a temporary dir that is then renamed: a checkpoint dir is always
+    complete, whenever the job dies. All processes call; they must hold the same adapter (checked, loudly)."""
+    from accelerate.utils import gather_object
+    from peft import get_peft_model_state_dict
+
+    policy = accelerator.unwrap_model(model)
+    checksum = adapter_sha256(get_peft_model_state_dict(policy))
+    per_rank = [{"state": rank_state, "rng": _rng_state(), "adapter_sha256": checksum}]
     per_rank = gather_object(per_rank) if accelerator.num_processes > 1 else per_rank
-    final = Path(run_dir) / "checkpoints" / f"update_{update:06d}"
+    if len({r["adapter_sha256"] for r in per_rank}) > 1:
+        raise RuntimeError(f"update {update}: the adapter differs across processes (sha256 per rank: "
+                           f"{[r['adapter_sha256'][:16] for r in per_rank]}); gradients were not synchronised")  # fmt: skip
+    checkpoints = Path(run_dir) / "checkpoints"
+    final = checkpoints / f"update_{update:06d}"
     if accelerator.is_main_process:
-        tmp = final.with_name(f".tmp_{final.name}_{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
+        for stale in checkpoints.glob(".tmp_*"):  # left by a job killed while saving
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = checkpoints / f".tmp_{final.name}_{os.getpid()}"
         tmp.mkdir(parents=True)
-        accelerator.unwrap_model(model).save_pretrained(tmp)
+        policy.save_pretrained(tmp)
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         torch.save([r["rng"] for r in per_rank], tmp / "rng.pt")
-        state = {"algorithm": algorithm, "update": update, **trainer_state, "rank_states": [r["state"] for r in per_rank]}
+        state = {"algorithm": algorithm, "update": update, **trainer_state, "adapter_sha256": checksum,
+                 "rank_states": [r["state"] for r in per_rank]}  # fmt: skip
         (tmp / "trainer_state.json").write_text(json.dumps(state))
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
+        if final.exists():  # saving an update again (resumed from an older checkpoint): move the old one aside first
+            old = checkpoints / f".tmp_old_{final.name}_{os.getpid()}"
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, final)
+        print(f"[checkpoint] {final}: adapter sha256 {checksum[:16]} identical on {accelerator.num_processes} "
+              f"process(es)", file=sys.stderr)  # fmt: skip
     accelerator.wait_for_everyone()
     return final
 
 
 def _checkpoints_in(run_dir: Path) -> list[Path]:
+    """Complete checkpoints of a run, oldest first (temporary dirs of an interrupted save start with a dot)."""
     return sorted(p for p in (run_dir / "checkpoints").glob("update_*") if (p / "trainer_state.json").is_file())
 
 
-def find_checkpoint(args) -> Path | None:
-    """--resume: "" -> None; "auto" -> newest checkpoint of the latest run named exp_name (None if there is
-    none); a checkpoint dir; or a run dir (its newest checkpoint)."""
-    if not args.resume:
+def find_checkpoint(spec: str, output_dir: str, exp_name: str, flag: str) -> Path | None:
+    """`spec` of --resume / --eval-only: "" -> None; "auto" -> newest checkpoint of the latest run named exp_name
+    (None if there is none); a checkpoint dir; or a run dir (its newest checkpoint)."""
+    if not spec:
         return None
-    if args.resume == "auto":
-        runs = sorted(Path(args.output_dir).glob(f"{args.exp_name}__*"), key=lambda p: (int(p.name.split("__")[-1]), p.name)
+    if spec == "auto":
+        runs = sorted(Path(output_dir).glob(f"{exp_name}__*"), key=lambda p: (int(p.name.split("__")[-1]), p.name)
                       if p.name.split("__")[-1].isdigit() else (0, p.name))  # fmt: skip
         for run_dir in reversed(runs):
             if checkpoints := _checkpoints_in(run_dir):
                 return checkpoints[-1]
         return None
-    path = Path(args.resume)
+    path = Path(spec)
     if (path / "trainer_state.json").is_file():
         return path
     if checkpoints := _checkpoints_in(path):
         return checkpoints[-1]
-    raise FileNotFoundError(f"--resume {args.resume}: no checkpoint there (expected trainer_state.json or checkpoints/)")
+    raise ValueError(f"{flag} {spec}: no checkpoint there (expected trainer_state.json or checkpoints/update_*)")
 
 
-def load_checkpoint(path: Path, model, optimizer, accelerator, algorithm: str) -> tuple[dict, dict]:
-    """Restore adapter, optimizer (if given) and RNG states; returns (trainer_state, this process's state)."""
+def check_checkpoint(path: Path, args, algorithm: str, flag: str, num_processes: int | None) -> dict:
+    """Open every file of a checkpoint and compare it with the flags, before anything loads; returns its
+    trainer state. num_processes: resuming (optimizer and RNG states needed, one state per process)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        state = json.loads((path / "trainer_state.json").read_text())
+        adapter_config = json.loads((path / "adapter_config.json").read_text())
+        with safe_open(str(path / "adapter_model.safetensors"), "pt"):
+            pass
+        if num_processes is not None:
+            for name in ("optimizer.pt", "rng.pt"):
+                zipfile.ZipFile(path / name).close()  # a torch.save file is a zip; a truncated one has no directory
+    except (OSError, ValueError, SafetensorError, zipfile.BadZipFile) as error:
+        raise ValueError(f"{flag} {path}: corrupt or incomplete checkpoint ({type(error).__name__}: {error}); "
+                         "pass an older checkpoint dir") from error  # fmt: skip
+    if not isinstance(state, dict) or not isinstance(state.get("update"), int) or not isinstance(state.get("rank_states"), list):
+        raise ValueError(f"{flag} {path}: corrupt checkpoint (trainer_state.json lacks update / rank_states)")
+    if state.get("algorithm") != algorithm:
+        raise ValueError(f"{flag} {path} is a checkpoint of {state.get('algorithm')!r}; this script trains {algorithm!r}")
+    if num_processes is not None and len(state["rank_states"]) != num_processes:
+        raise ValueError(f"{flag} {path} was written by {len(state['rank_states'])} processes; resume it with the same "
+                         f"number (now {num_processes})")  # fmt: skip
+    saved = {"--lora-rank": adapter_config.get("r"), "--lora-alpha": adapter_config.get("lora_alpha"),
+             "--lora-targets": sorted(adapter_config.get("target_modules") or [])}  # fmt: skip
+    ours = {"--lora-rank": args.lora_rank, "--lora-alpha": args.lora_alpha, "--lora-targets": sorted(args.lora_targets)}
+    for name, value in saved.items():
+        if value != ours[name]:
+            raise ValueError(f"{name} {ours[name]} does not match the checkpoint {path} ({value})")
+    return state
+
+
+def check_start(args, algorithm: str, accelerator) -> tuple[Path | None, dict | None]:
+    """Model, output dir and checkpoint checks that fail at start, before any model loads. Returns the checkpoint to
+    load (--resume, --eval-only) and its trainer state, or (None, None) for a new run."""
+    check_model(args.model)
+    require_writable_dir(args.output_dir, "--output-dir")
+    flag, spec = ("--eval-only", args.eval_only) if args.eval_only else ("--resume", args.resume)
+    checkpoint = find_checkpoint(spec, args.output_dir, args.exp_name, flag)
+    if checkpoint is None:
+        if args.eval_only:
+            raise ValueError(f"--eval-only auto: no checkpoint of a run named {args.exp_name} in {args.output_dir}")
+        return None, None
+    state = check_checkpoint(checkpoint, args, algorithm, flag, None if args.eval_only else accelerator.num_processes)
+    return checkpoint, state
+
+
+def load_checkpoint(path: Path, model, optimizer, accelerator) -> None:
+    """Adapter weights; with an optimizer (resuming) also its state and this process's RNG states, so call it
+    right before the first update. Nothing is unpickled: safetensors, and torch.load(weights_only=True)."""
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 
-    path = Path(path)
-    state = json.loads((path / "trainer_state.json").read_text())
-    if state.get("algorithm") != algorithm:
-        raise ValueError(f"{path} is a checkpoint of {state.get('algorithm')!r}; this script trains {algorithm!r}")
-    ranks = state.pop("rank_states")
-    if len(ranks) != accelerator.num_processes:
-        raise ValueError(f"{path} was written by {len(ranks)} processes; resume it with the same number (now {accelerator.num_processes})")
-    weights = load_file(str(path / "adapter_model.safetensors"), device=str(accelerator.device))
+    weights = load_file(str(path / "adapter_model.safetensors"))  # on CPU; copied into the parameters' device
     set_peft_model_state_dict(accelerator.unwrap_model(model), weights)
     if optimizer is not None:
         optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True, map_location=accelerator.device))
-        _set_rng_state(torch.load(path / "rng.pt", weights_only=False)[accelerator.process_index])
-    return state, ranks[accelerator.process_index]
+        _set_rng_state(torch.load(path / "rng.pt", weights_only=True)[accelerator.process_index])
 
 
-def evaluate(sample_fn: common.SampleFn, protocol: common.ChatProtocol, accelerator, *, data_root, task_types,
-             eval_games: int, max_episode_steps: int, max_turn_tokens: int, max_trajectory_tokens: int) -> dict:  # fmt: skip
+def evaluate(sample_fn: common.SampleFn, protocol: common.ChatProtocol, accelerator, *, data_root, task_types, eval_games: int,
+             max_episode_steps: int, max_turn_tokens: int, max_trajectory_tokens: int, on_turn=None) -> dict:  # fmt: skip
     """Greedy episodes on the first eval_games games of valid_seen and valid_unseen (sharded over processes).
     invalid_action_rate = turns whose reply was not an admissible action (bad format or not admissible)."""
     from accelerate.utils import gather_object
@@ -566,7 +731,8 @@ def evaluate(sample_fn: common.SampleFn, protocol: common.ChatProtocol, accelera
         mine = games[accelerator.process_index :: accelerator.num_processes]
         starts = [common.fresh_state(game, protocol) for game in mine]
         groups = common.rollout(starts, 1, sample_fn, protocol, horizon=max_episode_steps, max_episode_steps=max_episode_steps,
-                                max_turn_tokens=max_turn_tokens, max_trajectory_tokens=max_trajectory_tokens) if starts else []  # fmt: skip
+                                max_turn_tokens=max_turn_tokens, max_trajectory_tokens=max_trajectory_tokens,
+                                on_turn=on_turn) if starts else []  # fmt: skip
         results = [
             {"task_type": common.load_task_type(traj.start.game_file), "won": traj.won, "steps": len(traj.steps),
              "inadmissible": sum(not step.admissible for step in traj.steps)}
@@ -584,6 +750,20 @@ def evaluate(sample_fn: common.SampleFn, protocol: common.ChatProtocol, accelera
             of_type = [r["won"] for r in results if r["task_type"] == task_type]
             metrics[f"eval/{split}/success/{task_type}"] = sum(of_type) / len(of_type)
     return metrics
+
+
+def evaluate_checkpoint(args, checkpoint: Path, trainer_state: dict, model, greedy_fn, protocol, accelerator, eval_kwargs) -> Path:
+    """--eval-only: the checkpoint's adapter, one greedy evaluation, logged as one metrics.jsonl row (update = the
+    checkpoint's) of a new run dir, and printed."""
+    load_checkpoint(checkpoint, model, None, accelerator)
+    run_dir = new_run_dir(args)
+    logger = RunLogger(args, run_dir, accelerator, 1, 0)
+    metrics = evaluate(greedy_fn, protocol, accelerator, **eval_kwargs, on_turn=logger.on_turn)
+    logger.log(trainer_state["update"], {"checkpoint": str(checkpoint), **metrics})
+    logger.close()
+    if accelerator.is_main_process:
+        print(json.dumps(metrics, indent=2))
+    return run_dir
 
 
 def close_distributed() -> None:
@@ -860,19 +1040,24 @@ class ContentRefusal(Exception):
     """The endpoint refused the request on content grounds (moderation)."""
 
 
+def labeler_api_key(args: Args) -> str:
+    """The key from the environment variable named by --labeler-api-key-env (never from a flag, never logged)."""
+    key = os.environ.get(args.labeler_api_key_env)
+    if not key:
+        raise ValueError(f"--labeler-api-key-env names {args.labeler_api_key_env}, which is not set; export the labeller's "
+                         "key there (any value, e.g. EMPTY, for a local server without auth)")  # fmt: skip
+    return key
+
+
 class ApiLabeler:
     """Any OpenAI-compatible chat-completions endpoint, through the official async client, with this
     script's retry policy (the client's own retries are off): 429s back off exponentially with
     jitter, other errors linearly, two content refusals give up, and nothing outlives the deadline."""
 
-    def __init__(self, args: Args):
-        self.args = args
-        if not os.environ.get(args.labeler_api_key_env):
-            raise ValueError(
-                f"--labeler-api-key-env names {args.labeler_api_key_env}, which is not set; export the labeller's key "
-                f"there (any value, e.g. EMPTY, for a local server without auth)"
-            )
+    def __init__(self, args: Args, concurrency: int | None = None):
+        self.args, self.api_key = args, labeler_api_key(args)
         self.model_name = args.labeler_model
+        self.concurrency = concurrency or args.labeler_concurrency  # this process's share of the bound
 
     def __call__(self, requests: Sequence[LabelRequest]) -> list[LabelReply]:
         return asyncio.run(self._label_all(requests)) if requests else []
@@ -880,8 +1065,8 @@ class ApiLabeler:
     async def _label_all(self, requests: Sequence[LabelRequest]) -> list[LabelReply]:
         args = self.args
         deadline = asyncio.get_running_loop().time() + args.labeler_deadline_s
-        semaphore = asyncio.Semaphore(args.labeler_concurrency)
-        client = openai.AsyncOpenAI(base_url=args.labeler_base_url, api_key=os.environ[args.labeler_api_key_env], max_retries=0)
+        semaphore = asyncio.Semaphore(self.concurrency)
+        client = openai.AsyncOpenAI(base_url=args.labeler_base_url, api_key=self.api_key, max_retries=0)
         async with client:
             return list(await asyncio.gather(*(self._label_one(client, r, semaphore, deadline) for r in requests)))
 
@@ -1029,11 +1214,20 @@ def validate_args(args: Args) -> None:
         (args.clip_eps_high is None or args.clip_eps_high > 0, f"--clip-eps-high must be > 0, got {args.clip_eps_high}"),
         (args.kl_beta >= 0, f"--kl-beta must be >= 0, got {args.kl_beta}"),
         (args.alpha >= 0, f"--alpha must be >= 0, got {args.alpha}"),
+        (args.alpha_schedule in ("constant", "cosine"), f"--alpha-schedule must be constant or cosine, got {args.alpha_schedule!r}"),
         (0 <= args.alpha_min <= args.alpha or args.alpha_schedule == "constant",
          f"--alpha-min must lie in [0, --alpha] for the cosine schedule, got {args.alpha_min}"),
         (args.fix_base > 0, f"--fix-base must be > 0, got {args.fix_base}"),
+        (args.orm_distribution in ORM_DISTRIBUTIONS, f"--orm-distribution must be one of {ORM_DISTRIBUTIONS}, got {args.orm_distribution!r}"),
+        (args.skip_type in ("skip_small_adv", "skip_all_neg", "none"),
+         f"--skip-type must be skip_small_adv, skip_all_neg or none, got {args.skip_type!r}"),
         (args.prm_steps >= 0, f"--prm-steps must be >= 0, got {args.prm_steps}"),
+        (args.labeler_backend in ("auto", "api", "self"), f"--labeler-backend must be auto, api or self, got {args.labeler_backend!r}"),
         (args.labeler_backend != "api" or bool(args.labeler_base_url), "--labeler-backend api needs --labeler-base-url"),
+        (not args.labeler_base_url or args.labeler_base_url.startswith(("http://", "https://")),
+         f"--labeler-base-url must start with http:// or https://, got {args.labeler_base_url!r}"),
+        (bool(args.labeler_model), "--labeler-model must not be empty"),
+        (bool(args.labeler_api_key_env), "--labeler-api-key-env must name an environment variable"),
         (args.labeler_concurrency >= 1, f"--labeler-concurrency must be >= 1, got {args.labeler_concurrency}"),
         (args.labeler_timeout_s > 0, f"--labeler-timeout-s must be > 0, got {args.labeler_timeout_s}"),
         (args.labeler_deadline_s > 0, f"--labeler-deadline-s must be > 0, got {args.labeler_deadline_s}"),
@@ -1046,6 +1240,12 @@ def validate_args(args: Args) -> None:
     for ok, message in checks:
         if not ok:
             raise ValueError(message)
+    if needs_labels(args) and labeler_backend(args) == "api":
+        labeler_api_key(args)
+
+
+def needs_labels(args: Args) -> bool:
+    return args.attribution and args.alpha > 0 and args.prm_steps > 0 and not args.eval_only
 
 
 def labeler_backend(args: Args) -> str:
@@ -1067,9 +1267,10 @@ class Runtime:
     greedy_fn: common.SampleFn
     labeler: Callable[[Sequence[LabelRequest]], list[LabelReply]] | None  # None: no labels (plain GRPO)
     label_log: Path | None
-    data_root: str | Path
+    data_root: str
     games: list[str]  # this process's shard of the training games, shuffled with the seed
     game_cursor: int = 0
+    on_turn: Callable[[int, int], None] | None = None  # rollout progress (the logger's turn bar)
 
     def fresh_state(self) -> common.SavedState:
         """The next training game from its start (games cycle in their shuffled order)."""
@@ -1079,19 +1280,22 @@ class Runtime:
 
 
 def make_runtime(args: Args, accelerator) -> Runtime:
-    """Labeller (an api one checks its key before anything loads), model, samplers and this process's games."""
-    needs_labels = args.attribution and args.alpha > 0 and args.prm_steps > 0 and not args.eval_only
-    api_labeler = ApiLabeler(args) if needs_labels and labeler_backend(args) == "api" else None
-    data_root = args.data_root or common.default_data_root()
-    tokenizer, model, optimizer = load_model(args, accelerator)
-    greedy_fn = make_sampler(model, tokenizer, accelerator, args, greedy=True)
-    labeler = (api_labeler or PolicyLabeler(greedy_fn, tokenizer, args)) if needs_labels else None
+    """Labeller (an api one checks its key, and gets this process's share of --labeler-concurrency), this process's
+    training games, then the model, samplers and label log."""
+    api_labeler = None
+    if needs_labels(args) and labeler_backend(args) == "api":
+        rank, processes = accelerator.process_index, accelerator.num_processes
+        if args.labeler_concurrency < processes:
+            raise ValueError(f"--labeler-concurrency ({args.labeler_concurrency}) must be >= the number of processes "
+                             f"({processes}): it bounds all of them together")  # fmt: skip
+        api_labeler = ApiLabeler(args, args.labeler_concurrency // processes + (rank < args.labeler_concurrency % processes))
     label_log = None
     if args.labeler_log_dir:
-        Path(args.labeler_log_dir).mkdir(parents=True, exist_ok=True)
-        label_log = Path(args.labeler_log_dir) / f"labels_rank{accelerator.process_index}.jsonl"
-    games = common.discover_games(data_root, args.split, args.task_types, seed=args.seed)
-    games = games[accelerator.process_index :: accelerator.num_processes] or games
+        label_log = require_writable_dir(args.labeler_log_dir, "--labeler-log-dir") / f"labels_rank{accelerator.process_index}.jsonl"
+    data_root, games = training_games(args, accelerator)
+    tokenizer, model, optimizer = load_model(args, accelerator)
+    greedy_fn = make_sampler(model, tokenizer, accelerator, args, greedy=True)
+    labeler = (api_labeler or PolicyLabeler(greedy_fn, tokenizer, args)) if needs_labels(args) else None
     return Runtime(args, accelerator, tokenizer, model, optimizer, common.ChatProtocol(tokenizer),
                    make_sampler(model, tokenizer, accelerator, args), greedy_fn, labeler, label_log, data_root, games)  # fmt: skip
 
@@ -1117,7 +1321,7 @@ def adca_update(rt: Runtime, update: int) -> tuple[dict, list[dict]]:
     starts = [rt.fresh_state() for _ in range(args.games_per_update)]
     groups = common.rollout(starts, args.trajectories_per_game, rt.sample_fn, rt.protocol, horizon=args.max_turns,
                             max_episode_steps=args.max_turns, max_turn_tokens=args.max_turn_tokens,
-                            max_trajectory_tokens=args.max_trajectory_tokens)  # fmt: skip
+                            max_trajectory_tokens=args.max_trajectory_tokens, on_turn=rt.on_turn)  # fmt: skip
     trajectories = [traj for group in groups for traj in group]
     group_ids = [traj.group for traj in trajectories]
     orm_scores = [1.0 if traj.won else 0.0 for traj in trajectories]
@@ -1195,39 +1399,37 @@ SUM_KEYS = ("prm/label_requests", "prm/label_failures", "prm/parse_failures", "p
 POSTFIX_KEYS = ("rollout/success_rate", "prm/good_rate", "prm/label_failures", "train/loss")
 
 
-def main(args: Args) -> Path | None:
+def main(args: Args) -> Path:
     """Train (or evaluate, with --eval-only); returns the run directory."""
     validate_args(args)
     accelerator = make_accelerator()
     try:
-        return _run(args, accelerator)
+        checkpoint, trainer_state = check_start(args, ALGORITHM, accelerator)
+        return _run(args, accelerator, checkpoint, trainer_state)
     finally:
         close_distributed()
 
 
-def _run(args: Args, accelerator) -> Path | None:
+def _run(args: Args, accelerator, checkpoint: Path | None, trainer_state: dict | None) -> Path:
     seed_everything(args.seed + accelerator.process_index)
     rt = make_runtime(args, accelerator)
     eval_kwargs = dict(data_root=rt.data_root, task_types=args.task_types, eval_games=args.eval_games,
                        max_episode_steps=args.max_turns, max_turn_tokens=args.max_turn_tokens,
                        max_trajectory_tokens=args.max_trajectory_tokens)  # fmt: skip
     if args.eval_only:
-        load_checkpoint(Path(args.eval_only), rt.model, None, accelerator, ALGORITHM)
-        metrics = evaluate(rt.greedy_fn, rt.protocol, accelerator, **eval_kwargs)
-        if accelerator.is_main_process:
-            print(json.dumps(metrics, indent=2))
-        return None
+        return evaluate_checkpoint(args, checkpoint, trainer_state, rt.model, rt.greedy_fn, rt.protocol, accelerator, eval_kwargs)
 
-    checkpoint, done = find_checkpoint(args), 0
-    if checkpoint is not None:
-        trainer_state, rank_state = load_checkpoint(checkpoint, rt.model, rt.optimizer, accelerator, ALGORITHM)
-        done, run_dir = trainer_state["update"], checkpoint.parent.parent
-        rt.game_cursor = rank_state["game_cursor"]
-    else:
-        run_dir = new_run_dir(args)
+    done = trainer_state["update"] if checkpoint is not None else 0
+    run_dir = checkpoint.parent.parent if checkpoint is not None else new_run_dir(args)
     logger = RunLogger(args, run_dir, accelerator, args.num_updates, done, POSTFIX_KEYS)
-    if checkpoint is not None and accelerator.is_main_process:
-        print(f"resumed {checkpoint} (update {done})", file=sys.stderr)
+    rt.on_turn = logger.on_turn
+    if checkpoint is not None:
+        rt.game_cursor = trainer_state["rank_states"][accelerator.process_index]["game_cursor"]
+        if rt.label_log is not None:
+            drop_rows_after(rt.label_log, done)
+        load_checkpoint(checkpoint, rt.model, rt.optimizer, accelerator)  # last: the RNG states as they were at the save
+        if accelerator.is_main_process:
+            print(f"resumed {checkpoint} (update {done} of {args.num_updates})", file=sys.stderr)
 
     labeler_name = labeler_backend(args) if rt.labeler is not None else "none"
     for update in range(done + 1, args.num_updates + 1):
@@ -1235,7 +1437,7 @@ def _run(args: Args, accelerator) -> Path | None:
         metrics = reduce_metrics(accelerator, metrics, SUM_KEYS)
         last = update == args.num_updates
         if args.eval_every and args.eval_games and (last or update % args.eval_every == 0):
-            metrics.update(evaluate(rt.greedy_fn, rt.protocol, accelerator, **eval_kwargs))
+            metrics.update(evaluate(rt.greedy_fn, rt.protocol, accelerator, **eval_kwargs, on_turn=logger.on_turn))
         logger.log(update, {"labeler": labeler_name, **metrics}, samples)
         if last or (args.save_every and update % args.save_every == 0):
             save_checkpoint(run_dir, update, rt.model, rt.optimizer, accelerator, ALGORITHM, {"labeler": labeler_name},

@@ -18,6 +18,7 @@ Phase 2 (TD loop) trains actor and critic together, in one forward/backward and 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -27,10 +28,11 @@ import shutil
 import statistics
 import sys
 import time
+import zipfile
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Sequence
+from typing import Callable, Literal, Sequence
 
 import numpy as np
 import torch
@@ -130,18 +132,19 @@ class Args:
     resume: str = ""
     """"" = new run, "auto" = newest checkpoint of the latest run named exp_name, or a checkpoint/run path"""
     eval_only: str = ""
-    """evaluate this checkpoint and exit"""
+    """evaluate a checkpoint (its dir, a run dir = its newest, or "auto") into a new run dir's metrics.jsonl, and exit"""
 
 
 # ===== model side: identical in tempo.py and adca_grpo.py =====
-# Loading, sampling, teacher-forced logprobs, the loss and update, run logging, checkpoints and evaluation.
-# Reads only the shared Args fields; everything algorithm-specific is passed in.
+# Start-up checks, loading, sampling, teacher-forced logprobs, the loss and update, run logging, checkpoints and
+# evaluation. Reads only the shared Args fields; everything algorithm-specific is passed in.
 def validate_model_args(args) -> None:
     """Fail at start, naming the flag, on any shared setting that cannot work."""
     checks = [
+        (bool(args.model), "--model must not be empty"),
         (args.lora_rank >= 1, f"--lora-rank must be >= 1, got {args.lora_rank}"),
         (args.lora_alpha > 0, f"--lora-alpha must be > 0, got {args.lora_alpha}"),
-        (len(args.lora_targets) >= 1, "--lora-targets must name at least one module"),
+        (len(args.lora_targets) >= 1 and all(args.lora_targets), "--lora-targets must name at least one module"),
         (args.learning_rate > 0, f"--learning-rate must be > 0, got {args.learning_rate}"),
         (all(0 <= b < 1 for b in args.adam_betas), f"--adam-betas must lie in [0, 1), got {args.adam_betas}"),
         (args.weight_decay >= 0, f"--weight-decay must be >= 0, got {args.weight_decay}"),
@@ -150,14 +153,20 @@ def validate_model_args(args) -> None:
         (0 < args.top_p <= 1, f"--top-p must lie in (0, 1], got {args.top_p}"),
         (args.micro_batch_tokens >= 1, f"--micro-batch-tokens must be >= 1, got {args.micro_batch_tokens}"),
         (args.sample_batch_size >= 1, f"--sample-batch-size must be >= 1, got {args.sample_batch_size}"),
-        (args.task_types is None or set(args.task_types) <= set(common.TASK_TYPES),
+        (args.data_root is None or bool(args.data_root), "--data-root must not be empty (leave it unset for the offline games)"),
+        (args.split in ("train", "valid_seen", "valid_unseen"), f"--split must be train, valid_seen or valid_unseen, got {args.split!r}"),
+        (args.task_types is None or (len(args.task_types) >= 1 and set(args.task_types) <= set(common.TASK_TYPES)),
          f"--task-types must be among {common.TASK_TYPES}, got {args.task_types}"),
+        (args.seed >= 0, f"--seed must be >= 0, got {args.seed}"),
         (bool(args.exp_name) and "__" not in args.exp_name and "/" not in args.exp_name,
          f"--exp-name must be non-empty without '__' or '/', got {args.exp_name!r}"),
+        (bool(args.output_dir), "--output-dir must not be empty"),
+        (not args.track or bool(args.wandb_project), "--wandb-project must not be empty with --track"),
         (args.save_every >= 0, f"--save-every must be >= 0, got {args.save_every}"),
         (args.eval_every >= 0, f"--eval-every must be >= 0, got {args.eval_every}"),
         (args.eval_games >= 0, f"--eval-games must be >= 0, got {args.eval_games}"),
         (not (args.resume and args.eval_only), "--resume and --eval-only cannot be combined"),
+        (not args.eval_only or args.eval_games >= 1, "--eval-only needs --eval-games >= 1"),
     ]  # fmt: skip
     for ok, message in checks:
         if not ok:
@@ -165,9 +174,55 @@ def validate_model_args(args) -> None:
 
 
 def make_accelerator():
+    """CPU or CUDA; DDP when launched on several processes. FSDP and DeepSpeed are refused: the update sums
+    LoRA gradients by hand and generate() runs on the unwrapped model, both of which need whole weights per process."""
     from accelerate import Accelerator
+    from accelerate.utils import DistributedType
 
-    return Accelerator(cpu=not torch.cuda.is_available())
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    if accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM):
+        raise ValueError(f"accelerate config: {accelerator.distributed_type} is not supported; launch with DDP "
+                         "(accelerate launch --multi_gpu), see the README")  # fmt: skip
+    return accelerator
+
+
+def require_writable_dir(path, flag: str) -> Path:
+    """Create `path` if needed and prove a file can be written there; the error names the flag."""
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".write_probe_{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as error:
+        raise ValueError(f"{flag} {path} is not a writable directory: {error}") from error
+    return path
+
+
+def check_model(model: str) -> None:
+    """The model's config must be readable (a local dir with config.json, the HF cache, or the hub) before
+    anything loads; `tiny` is always there."""
+    from transformers import AutoConfig
+
+    if model == "tiny":
+        return
+    looks_local = os.path.isabs(model) or model.startswith(".") or os.path.exists(model)
+    if looks_local and not os.path.isfile(os.path.join(model, "config.json")):
+        raise ValueError(f"--model {model}: no such model directory (expected a config.json there)")
+    try:
+        AutoConfig.from_pretrained(model)
+    except (OSError, ValueError) as error:
+        raise ValueError(f"--model {model}: cannot load its config ({error})") from error
+
+
+def training_games(args, accelerator) -> tuple[str, list[str]]:
+    """(data root, this process's shard of the training games, shuffled with the seed); fails naming --data-root."""
+    data_root = args.data_root or str(common.default_data_root())
+    try:
+        games = common.discover_games(data_root, args.split, args.task_types, seed=args.seed)
+    except FileNotFoundError as error:
+        raise ValueError(f"--data-root {data_root}: {error}") from error
+    return data_root, games[accelerator.process_index :: accelerator.num_processes] or games
 
 
 def seed_everything(seed: int) -> None:
@@ -354,6 +409,8 @@ def train_step(model, optimizer, accelerator, datums: list[Datum], *, temperatur
     finite = math.isfinite(loss_total) and math.isfinite(grad_norm)
     if finite:
         optimizer.step()
+    elif accelerator.is_main_process:
+        print(f"[train] non-finite loss {loss_total} or gradient norm {grad_norm}: step skipped", file=sys.stderr)
     optimizer.zero_grad(set_to_none=True)
     return {
         "train/loss": loss_total, "train/tokens": total_tokens, "train/grad_norm": grad_norm,
@@ -379,11 +436,29 @@ def new_run_dir(args) -> Path:
     return Path(args.output_dir) / f"{args.exp_name}__{args.seed}__{int(time.time())}"
 
 
+def drop_rows_after(path: Path, update: int) -> None:
+    """Keep only the JSONL rows of updates <= `update`: a run that died after logging an update but before
+    checkpointing it repeats that update when resumed. A line cut short by the kill goes too."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["update"] <= update:
+                kept.append(line + "\n")
+        except (ValueError, KeyError, TypeError):
+            continue
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept))
+    os.replace(tmp, path)
+
+
 class RunLogger:
-    """config.json, metrics.jsonl (one line per update), samples.jsonl, optional W&B, and a tqdm bar.
+    """config.json, metrics.jsonl (one line per update), samples.jsonl, optional W&B (metrics and a table of
+    sample trajectories per update), and tqdm bars over updates and over the turns of the current rollout.
     Only the main process writes."""
 
-    def __init__(self, args, run_dir: Path, accelerator, total_updates: int, first_update: int, postfix_keys=()):
+    def __init__(self, args, run_dir: Path, accelerator, total_updates: int, done: int, postfix_keys=()):
         from tqdm import tqdm
 
         self.run_dir, self.postfix_keys = Path(run_dir), postfix_keys
@@ -392,15 +467,31 @@ class RunLogger:
         if not self.active:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        if done:
+            for name in ("metrics.jsonl", "samples.jsonl"):
+                drop_rows_after(self.run_dir / name, done)
         (self.run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
         self.metrics_file = open(self.run_dir / "metrics.jsonl", "a")
         self.samples_file = open(self.run_dir / "samples.jsonl", "a")
         if args.track:
-            import wandb  # the mode comes from WANDB_MODE: never forced online
+            import wandb
 
-            self.wandb = wandb.init(project=args.wandb_project, name=self.run_dir.name,
-                                    config=dataclasses.asdict(args), dir=str(self.run_dir))  # fmt: skip
-        self.bar = tqdm(total=total_updates, initial=first_update, desc=self.run_dir.name, dynamic_ncols=True)
+            # The mode comes from WANDB_MODE, never forced online; without it and without credentials: offline.
+            mode = None if os.environ.get("WANDB_MODE") or wandb.login(prompt=False, verify=False) else "offline"
+            self.wandb = wandb.init(project=args.wandb_project, name=self.run_dir.name, id=self.run_dir.name, resume="allow",
+                                    config=dataclasses.asdict(args), dir=None if os.environ.get("WANDB_DIR") else str(self.run_dir),
+                                    mode=mode)  # fmt: skip
+        self.bar = tqdm(total=total_updates, initial=done, desc=self.run_dir.name, unit="update", dynamic_ncols=True)
+        self.turns = tqdm(desc="rollout", unit="turn", position=1, leave=False, dynamic_ncols=True)
+
+    def on_turn(self, turn_index: int, live_branches: int) -> None:
+        """common.rollout's progress callback: turns done in the current rollout, branches still playing."""
+        if not self.active:
+            return
+        if turn_index == 1:
+            self.turns.reset()
+        self.turns.update(1)
+        self.turns.set_postfix(live=live_branches)
 
     def log(self, update: int, metrics: dict, samples: Sequence[dict] = ()):
         if not self.active:
@@ -412,13 +503,20 @@ class RunLogger:
         self.samples_file.flush()
         numeric = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
         if self.wandb is not None:
-            self.wandb.log(numeric, step=update)
+            import wandb
+
+            rows = [[update, s.get("game", ""), s.get("task", ""),
+                     "\n\n".join(f"[{m['role']}] {m['content']}" for m in s.get("messages", ())),
+                     json.dumps({k: v for k, v in s.items() if k not in ("game", "task", "messages")})] for s in samples]  # fmt: skip
+            table = {"samples": wandb.Table(columns=["update", "game", "task", "messages", "details"], data=rows)} if rows else {}
+            self.wandb.log({**numeric, **table}, step=update)
         self.bar.update(1)
         self.bar.set_postfix({k.split("/")[-1]: f"{numeric[k]:.3g}" for k in self.postfix_keys if k in numeric})
 
     def close(self):
         if not self.active:
             return
+        self.turns.close()
         self.bar.close()
         self.metrics_file.close()
         self.samples_file.close()
@@ -446,76 +544,143 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(run_dir: Path, update: int, model, optimizer, accelerator, algorithm: str,
-                    trainer_state: dict, rank_state: dict) -> Path | None:  # fmt: skip
-    """checkpoints/update_{n:06d}/: adapter (safetensors), optimizer, RNG states and trainer_state.json of every
-    process. Written to a temporary dir and renamed, so a checkpoint dir is always complete. All processes call."""
-    from accelerate.utils import gather_object
+def adapter_sha256(adapter: dict[str, torch.Tensor]) -> str:
+    """Checksum of an adapter state dict (names and fp32 values), as saved in adapter_model.safetensors."""
+    digest = hashlib.sha256()
+    for name in sorted(adapter):
+        digest.update(name.encode())
+        digest.update(adapter[name].detach().float().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
 
-    per_rank = [{"state": rank_state, "rng": _rng_state()}]
+
+def save_checkpoint(run_dir: Path, update: int, model, optimizer, accelerator, algorithm: str,
+                    trainer_state: dict, rank_state: dict) -> Path:  # fmt: skip
+    """checkpoints/update_{n:06d}/: adapter (safetensors), optimizer, RNG states and trainer_state.json of every
+    process, written by the main process into a temporary dir that is then renamed: a checkpoint dir is always
+    complete, whenever the job dies. All processes call; they must hold the same adapter (checked, loudly)."""
+    from accelerate.utils import gather_object
+    from peft import get_peft_model_state_dict
+
+    policy = accelerator.unwrap_model(model)
+    checksum = adapter_sha256(get_peft_model_state_dict(policy))
+    per_rank = [{"state": rank_state, "rng": _rng_state(), "adapter_sha256": checksum}]
     per_rank = gather_object(per_rank) if accelerator.num_processes > 1 else per_rank
-    final = Path(run_dir) / "checkpoints" / f"update_{update:06d}"
+    if len({r["adapter_sha256"] for r in per_rank}) > 1:
+        raise RuntimeError(f"update {update}: the adapter differs across processes (sha256 per rank: "
+                           f"{[r['adapter_sha256'][:16] for r in per_rank]}); gradients were not synchronised")  # fmt: skip
+    checkpoints = Path(run_dir) / "checkpoints"
+    final = checkpoints / f"update_{update:06d}"
     if accelerator.is_main_process:
-        tmp = final.with_name(f".tmp_{final.name}_{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
+        for stale in checkpoints.glob(".tmp_*"):  # left by a job killed while saving
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = checkpoints / f".tmp_{final.name}_{os.getpid()}"
         tmp.mkdir(parents=True)
-        accelerator.unwrap_model(model).save_pretrained(tmp)
+        policy.save_pretrained(tmp)
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         torch.save([r["rng"] for r in per_rank], tmp / "rng.pt")
-        state = {"algorithm": algorithm, "update": update, **trainer_state, "rank_states": [r["state"] for r in per_rank]}
+        state = {"algorithm": algorithm, "update": update, **trainer_state, "adapter_sha256": checksum,
+                 "rank_states": [r["state"] for r in per_rank]}  # fmt: skip
         (tmp / "trainer_state.json").write_text(json.dumps(state))
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
+        if final.exists():  # saving an update again (resumed from an older checkpoint): move the old one aside first
+            old = checkpoints / f".tmp_old_{final.name}_{os.getpid()}"
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, final)
+        print(f"[checkpoint] {final}: adapter sha256 {checksum[:16]} identical on {accelerator.num_processes} "
+              f"process(es)", file=sys.stderr)  # fmt: skip
     accelerator.wait_for_everyone()
     return final
 
 
 def _checkpoints_in(run_dir: Path) -> list[Path]:
+    """Complete checkpoints of a run, oldest first (temporary dirs of an interrupted save start with a dot)."""
     return sorted(p for p in (run_dir / "checkpoints").glob("update_*") if (p / "trainer_state.json").is_file())
 
 
-def find_checkpoint(args) -> Path | None:
-    """--resume: "" -> None; "auto" -> newest checkpoint of the latest run named exp_name (None if there is
-    none); a checkpoint dir; or a run dir (its newest checkpoint)."""
-    if not args.resume:
+def find_checkpoint(spec: str, output_dir: str, exp_name: str, flag: str) -> Path | None:
+    """`spec` of --resume / --eval-only: "" -> None; "auto" -> newest checkpoint of the latest run named exp_name
+    (None if there is none); a checkpoint dir; or a run dir (its newest checkpoint)."""
+    if not spec:
         return None
-    if args.resume == "auto":
-        runs = sorted(Path(args.output_dir).glob(f"{args.exp_name}__*"), key=lambda p: (int(p.name.split("__")[-1]), p.name)
+    if spec == "auto":
+        runs = sorted(Path(output_dir).glob(f"{exp_name}__*"), key=lambda p: (int(p.name.split("__")[-1]), p.name)
                       if p.name.split("__")[-1].isdigit() else (0, p.name))  # fmt: skip
         for run_dir in reversed(runs):
             if checkpoints := _checkpoints_in(run_dir):
                 return checkpoints[-1]
         return None
-    path = Path(args.resume)
+    path = Path(spec)
     if (path / "trainer_state.json").is_file():
         return path
     if checkpoints := _checkpoints_in(path):
         return checkpoints[-1]
-    raise FileNotFoundError(f"--resume {args.resume}: no checkpoint there (expected trainer_state.json or checkpoints/)")
+    raise ValueError(f"{flag} {spec}: no checkpoint there (expected trainer_state.json or checkpoints/update_*)")
 
 
-def load_checkpoint(path: Path, model, optimizer, accelerator, algorithm: str) -> tuple[dict, dict]:
-    """Restore adapter, optimizer (if given) and RNG states; returns (trainer_state, this process's state)."""
+def check_checkpoint(path: Path, args, algorithm: str, flag: str, num_processes: int | None) -> dict:
+    """Open every file of a checkpoint and compare it with the flags, before anything loads; returns its
+    trainer state. num_processes: resuming (optimizer and RNG states needed, one state per process)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        state = json.loads((path / "trainer_state.json").read_text())
+        adapter_config = json.loads((path / "adapter_config.json").read_text())
+        with safe_open(str(path / "adapter_model.safetensors"), "pt"):
+            pass
+        if num_processes is not None:
+            for name in ("optimizer.pt", "rng.pt"):
+                zipfile.ZipFile(path / name).close()  # a torch.save file is a zip; a truncated one has no directory
+    except (OSError, ValueError, SafetensorError, zipfile.BadZipFile) as error:
+        raise ValueError(f"{flag} {path}: corrupt or incomplete checkpoint ({type(error).__name__}: {error}); "
+                         "pass an older checkpoint dir") from error  # fmt: skip
+    if not isinstance(state, dict) or not isinstance(state.get("update"), int) or not isinstance(state.get("rank_states"), list):
+        raise ValueError(f"{flag} {path}: corrupt checkpoint (trainer_state.json lacks update / rank_states)")
+    if state.get("algorithm") != algorithm:
+        raise ValueError(f"{flag} {path} is a checkpoint of {state.get('algorithm')!r}; this script trains {algorithm!r}")
+    if num_processes is not None and len(state["rank_states"]) != num_processes:
+        raise ValueError(f"{flag} {path} was written by {len(state['rank_states'])} processes; resume it with the same "
+                         f"number (now {num_processes})")  # fmt: skip
+    saved = {"--lora-rank": adapter_config.get("r"), "--lora-alpha": adapter_config.get("lora_alpha"),
+             "--lora-targets": sorted(adapter_config.get("target_modules") or [])}  # fmt: skip
+    ours = {"--lora-rank": args.lora_rank, "--lora-alpha": args.lora_alpha, "--lora-targets": sorted(args.lora_targets)}
+    for name, value in saved.items():
+        if value != ours[name]:
+            raise ValueError(f"{name} {ours[name]} does not match the checkpoint {path} ({value})")
+    return state
+
+
+def check_start(args, algorithm: str, accelerator) -> tuple[Path | None, dict | None]:
+    """Model, output dir and checkpoint checks that fail at start, before any model loads. Returns the checkpoint to
+    load (--resume, --eval-only) and its trainer state, or (None, None) for a new run."""
+    check_model(args.model)
+    require_writable_dir(args.output_dir, "--output-dir")
+    flag, spec = ("--eval-only", args.eval_only) if args.eval_only else ("--resume", args.resume)
+    checkpoint = find_checkpoint(spec, args.output_dir, args.exp_name, flag)
+    if checkpoint is None:
+        if args.eval_only:
+            raise ValueError(f"--eval-only auto: no checkpoint of a run named {args.exp_name} in {args.output_dir}")
+        return None, None
+    state = check_checkpoint(checkpoint, args, algorithm, flag, None if args.eval_only else accelerator.num_processes)
+    return checkpoint, state
+
+
+def load_checkpoint(path: Path, model, optimizer, accelerator) -> None:
+    """Adapter weights; with an optimizer (resuming) also its state and this process's RNG states, so call it
+    right before the first update. Nothing is unpickled: safetensors, and torch.load(weights_only=True)."""
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 
-    path = Path(path)
-    state = json.loads((path / "trainer_state.json").read_text())
-    if state.get("algorithm") != algorithm:
-        raise ValueError(f"{path} is a checkpoint of {state.get('algorithm')!r}; this script trains {algorithm!r}")
-    ranks = state.pop("rank_states")
-    if len(ranks) != accelerator.num_processes:
-        raise ValueError(f"{path} was written by {len(ranks)} processes; resume it with the same number (now {accelerator.num_processes})")
-    weights = load_file(str(path / "adapter_model.safetensors"), device=str(accelerator.device))
+    weights = load_file(str(path / "adapter_model.safetensors"))  # on CPU; copied into the parameters' device
     set_peft_model_state_dict(accelerator.unwrap_model(model), weights)
     if optimizer is not None:
         optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True, map_location=accelerator.device))
-        _set_rng_state(torch.load(path / "rng.pt", weights_only=False)[accelerator.process_index])
-    return state, ranks[accelerator.process_index]
+        _set_rng_state(torch.load(path / "rng.pt", weights_only=True)[accelerator.process_index])
 
 
-def evaluate(sample_fn: common.SampleFn, protocol: common.ChatProtocol, accelerator, *, data_root, task_types,
-             eval_games: int, max_episode_steps: int, max_turn_tokens: int, max_trajectory_tokens: int) -> dict:  # fmt: skip
+def evaluate(sample_fn: common.SampleFn, protocol: common.ChatProtocol, accelerator, *, data_root, task_types, eval_games: int,
+             max_episode_steps: int, max_turn_tokens: int, max_trajectory_tokens: int, on_turn=None) -> dict:  # fmt: skip
     """Greedy episodes on the first eval_games games of valid_seen and valid_unseen (sharded over processes).
     invalid_action_rate = turns whose reply was not an admissible action (bad format or not admissible)."""
     from accelerate.utils import gather_object
@@ -530,7 +695,8 @@ def evaluate(sample_fn: common.SampleFn, protocol: common.ChatProtocol, accelera
         mine = games[accelerator.process_index :: accelerator.num_processes]
         starts = [common.fresh_state(game, protocol) for game in mine]
         groups = common.rollout(starts, 1, sample_fn, protocol, horizon=max_episode_steps, max_episode_steps=max_episode_steps,
-                                max_turn_tokens=max_turn_tokens, max_trajectory_tokens=max_trajectory_tokens) if starts else []  # fmt: skip
+                                max_turn_tokens=max_turn_tokens, max_trajectory_tokens=max_trajectory_tokens,
+                                on_turn=on_turn) if starts else []  # fmt: skip
         results = [
             {"task_type": common.load_task_type(traj.start.game_file), "won": traj.won, "steps": len(traj.steps),
              "inadmissible": sum(not step.admissible for step in traj.steps)}
@@ -548,6 +714,20 @@ def evaluate(sample_fn: common.SampleFn, protocol: common.ChatProtocol, accelera
             of_type = [r["won"] for r in results if r["task_type"] == task_type]
             metrics[f"eval/{split}/success/{task_type}"] = sum(of_type) / len(of_type)
     return metrics
+
+
+def evaluate_checkpoint(args, checkpoint: Path, trainer_state: dict, model, greedy_fn, protocol, accelerator, eval_kwargs) -> Path:
+    """--eval-only: the checkpoint's adapter, one greedy evaluation, logged as one metrics.jsonl row (update = the
+    checkpoint's) of a new run dir, and printed."""
+    load_checkpoint(checkpoint, model, None, accelerator)
+    run_dir = new_run_dir(args)
+    logger = RunLogger(args, run_dir, accelerator, 1, 0)
+    metrics = evaluate(greedy_fn, protocol, accelerator, **eval_kwargs, on_turn=logger.on_turn)
+    logger.log(trainer_state["update"], {"checkpoint": str(checkpoint), **metrics})
+    logger.close()
+    if accelerator.is_main_process:
+        print(json.dumps(metrics, indent=2))
+    return run_dir
 
 
 def close_distributed() -> None:
@@ -695,6 +875,7 @@ def validate_args(args: Args) -> None:
         (args.warmup_updates >= 0, f"--warmup-updates must be >= 0, got {args.warmup_updates}"),
         (args.warmup_games_per_batch >= 1, f"--warmup-games-per-batch must be >= 1, got {args.warmup_games_per_batch}"),
         (args.td_updates >= 0, f"--td-updates must be >= 0, got {args.td_updates}"),
+        (args.warmup_updates + args.td_updates >= 1, "--warmup-updates + --td-updates must be >= 1"),
         (args.state_store_capacity >= args.states_per_batch,
          f"--state-store-capacity ({args.state_store_capacity}) must be >= --states-per-batch ({args.states_per_batch})"),
         (args.r_max > 0, f"--r-max must be > 0, got {args.r_max}"),
@@ -728,6 +909,7 @@ class Runtime:
     store: StateStore
     rng: random.Random  # state-store sampling (saved in checkpoints)
     game_cursor: int = 0
+    on_turn: Callable[[int, int], None] | None = None  # rollout progress (the logger's turn bar)
 
     def fresh_state(self) -> common.SavedState:
         """The next training game from its start (games cycle in their shuffled order)."""
@@ -754,6 +936,7 @@ def rollout_metrics(trajectories: Sequence[common.Trajectory]) -> dict:
         "rollout/admissible_rate": sum(s.admissible for s in steps) / max(1, len(steps)),
         "rollout/steps": len(steps) / len(trajectories),
         "rollout/success_rate": sum(t.won for t in trajectories) / len(trajectories),
+        "rollout/generated_tokens": float(sum(len(s.completion_tokens) for s in steps)),
     }
 
 
@@ -786,7 +969,7 @@ def warmup_update(rt: Runtime) -> tuple[dict, list[dict]]:
     starts = [rt.fresh_state() for _ in range(args.warmup_games_per_batch)]
     groups = common.rollout(starts, args.branches, rt.sample_fn, rt.protocol, horizon=args.max_episode_steps,
                             max_episode_steps=args.max_episode_steps, max_turn_tokens=args.max_turn_tokens,
-                            max_trajectory_tokens=args.max_trajectory_tokens)  # fmt: skip
+                            max_trajectory_tokens=args.max_trajectory_tokens, on_turn=rt.on_turn)  # fmt: skip
     trajectories = [traj for group in groups for traj in group]
     t_rollout = time.time()
 
@@ -864,7 +1047,8 @@ def td_update(rt: Runtime) -> tuple[dict, list[dict]]:
 
     # ---- Phase 2, steps 2-3: restore each state (replay, verified) and run N branches for H turns
     groups = common.rollout(starts, N, rt.sample_fn, rt.protocol, horizon=H, max_episode_steps=args.max_episode_steps,
-                            max_turn_tokens=args.max_turn_tokens, max_trajectory_tokens=args.max_trajectory_tokens)  # fmt: skip
+                            max_turn_tokens=args.max_turn_tokens, max_trajectory_tokens=args.max_trajectory_tokens,
+                            on_turn=rt.on_turn)  # fmt: skip
     restore_failures = sum(1 for group in groups if not group)  # dropped, never fatal
     live = [(start, group) for start, group in zip(starts, groups) if group]
     trajectories = [traj for _, group in live for traj in group]
@@ -959,60 +1143,55 @@ def td_update(rt: Runtime) -> tuple[dict, list[dict]]:
 # Main: set-up, resume, the two phases, checkpoints, evaluation
 # =============================================================================================
 SUM_KEYS = ("td/store_size", "td/fresh_states", "td/new_endpoints", "td/restore_failures", "critic/endpoint_parse_failures",
-            "warmup/boundary_states")  # fmt: skip
+            "warmup/boundary_states", "rollout/generated_tokens")  # fmt: skip
 POSTFIX_KEYS = ("critic/abs_error_mean", "critic/value_corr", "rollout/success_rate", "td/fresh_states", "train/loss")
 
 
-def main(args: Args) -> Path | None:
+def main(args: Args) -> Path:
     """Train (or evaluate, with --eval-only); returns the run directory."""
     validate_args(args)
     accelerator = make_accelerator()
     try:
-        return _run(args, accelerator)
+        checkpoint, trainer_state = check_start(args, ALGORITHM, accelerator)
+        return _run(args, accelerator, checkpoint, trainer_state)
     finally:
         close_distributed()
 
 
 def make_runtime(args: Args, accelerator) -> Runtime:
-    """Model, optimizer, chat protocol, sampler and this process's shard of the training games."""
-    data_root = args.data_root or str(common.default_data_root())
+    """This process's shard of the training games (checked before the model loads), model, optimizer, chat
+    protocol, sampler and an empty state store."""
+    data_root, games = training_games(args, accelerator)
     tokenizer, model, optimizer = load_model(args, accelerator)
-    games = common.discover_games(data_root, args.split, args.task_types, seed=args.seed)
-    games = games[accelerator.process_index :: accelerator.num_processes] or games
     return Runtime(args, accelerator, tokenizer, model, optimizer, common.ChatProtocol(tokenizer),
                    make_sampler(model, tokenizer, accelerator, args), data_root, games,
                    StateStore(args.state_store_capacity), random.Random(args.seed + accelerator.process_index))  # fmt: skip
 
 
-def _run(args: Args, accelerator) -> Path | None:
+def _run(args: Args, accelerator, checkpoint: Path | None, trainer_state: dict | None) -> Path:
     seed_everything(args.seed + accelerator.process_index)
     rt = make_runtime(args, accelerator)
-    model, optimizer = rt.model, rt.optimizer
-    greedy_fn = make_sampler(model, rt.tokenizer, accelerator, args, greedy=True)
+    greedy_fn = make_sampler(rt.model, rt.tokenizer, accelerator, args, greedy=True)
     eval_kwargs = dict(data_root=rt.data_root, task_types=args.task_types, eval_games=args.eval_games,
                        max_episode_steps=args.max_episode_steps, max_turn_tokens=args.max_turn_tokens,
                        max_trajectory_tokens=args.max_trajectory_tokens)  # fmt: skip
     if args.eval_only:
-        load_checkpoint(Path(args.eval_only), model, None, accelerator, ALGORITHM)
-        metrics = evaluate(greedy_fn, rt.protocol, accelerator, **eval_kwargs)
-        if accelerator.is_main_process:
-            print(json.dumps(metrics, indent=2))
-        return None
+        return evaluate_checkpoint(args, checkpoint, trainer_state, rt.model, greedy_fn, rt.protocol, accelerator, eval_kwargs)
 
     total_updates = args.warmup_updates + args.td_updates
-    checkpoint, done = find_checkpoint(args), 0
+    done = trainer_state["update"] if checkpoint is not None else 0
+    run_dir = checkpoint.parent.parent if checkpoint is not None else new_run_dir(args)
+    logger = RunLogger(args, run_dir, accelerator, total_updates, done, POSTFIX_KEYS)
+    rt.on_turn = logger.on_turn
     if checkpoint is not None:
-        trainer_state, rank_state = load_checkpoint(checkpoint, model, optimizer, accelerator, ALGORITHM)
-        done, run_dir = trainer_state["update"], checkpoint.parent.parent
+        rank_state = trainer_state["rank_states"][accelerator.process_index]
         rt.game_cursor = rank_state["game_cursor"]
         rt.rng.setstate((rank_state["rng"][0], tuple(rank_state["rng"][1]), rank_state["rng"][2]))
         for state in rank_state["store"]:
             rt.store.add(common.SavedState.from_json(state))
-    else:
-        run_dir = new_run_dir(args)
-    logger = RunLogger(args, run_dir, accelerator, total_updates, done, POSTFIX_KEYS)
-    if checkpoint is not None and accelerator.is_main_process:
-        print(f"resumed {checkpoint} (update {done})", file=sys.stderr)
+        load_checkpoint(checkpoint, rt.model, rt.optimizer, accelerator)  # last: the RNG states as they were at the save
+        if accelerator.is_main_process:
+            print(f"resumed {checkpoint} (update {done} of {total_updates})", file=sys.stderr)
 
     for update in range(done + 1, total_updates + 1):
         phase = "warmup" if update <= args.warmup_updates else "td"
@@ -1020,12 +1199,12 @@ def _run(args: Args, accelerator) -> Path | None:
         metrics = reduce_metrics(accelerator, metrics, SUM_KEYS)
         last = update == total_updates
         if args.eval_every and args.eval_games and (last or update % args.eval_every == 0):
-            metrics.update(evaluate(greedy_fn, rt.protocol, accelerator, **eval_kwargs))
+            metrics.update(evaluate(greedy_fn, rt.protocol, accelerator, **eval_kwargs, on_turn=logger.on_turn))
         logger.log(update, {"phase": phase, **metrics}, samples)
         if last or (args.save_every and update % args.save_every == 0):
             rank_state = {"game_cursor": rt.game_cursor, "rng": list(rt.rng.getstate()),
                           "store": [s.to_json() for s in rt.store.states]}  # fmt: skip
-            save_checkpoint(run_dir, update, model, optimizer, accelerator, ALGORITHM, {"phase": phase}, rank_state)
+            save_checkpoint(run_dir, update, rt.model, rt.optimizer, accelerator, ALGORITHM, {"phase": phase}, rank_state)
     logger.close()
     return run_dir
 

@@ -1,0 +1,458 @@
+"""Both scripts as training jobs (tiny model, generated games, CPU): a SIGKILLed job resumes exactly, bad input
+fails at start, non-finite steps are skipped, --eval-only, and real 2-process `accelerate launch` runs with W&B
+offline. The expensive subprocess scenarios run once per script and are shared by the tests below them."""
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import adca_grpo
+import common
+import tempo
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = {"tempo": tempo, "adca_grpo": adca_grpo}
+JUDGE_KEY_ENV = "TRAINING_JOB_JUDGE_KEY"
+SHARED = dict(seed=0, max_turn_tokens=16, max_trajectory_tokens=4096, micro_batch_tokens=4096, sample_batch_size=16,
+              lora_rank=4, lora_alpha=8, learning_rate=1e-2, save_every=1, eval_every=0, eval_games=1)  # fmt: skip
+BUDGETS = {
+    # warm-up, then two TD updates: the second one starts from states the first one stored
+    "tempo": dict(macro_rounds=2, max_episode_steps=4, branches=2, critic_samples=2, endpoint_samples=1, states_per_batch=2,
+                  warmup_updates=1, warmup_games_per_batch=1, td_updates=2, max_critic_tokens=16),
+    # every trajectory labelled by the judge below: its GOOD/BAD labels give non-zero advantages, so the adapter trains
+    "adca_grpo": dict(num_updates=3, games_per_update=2, trajectories_per_game=2, max_turns=2, alpha=0.5, skip_type="none",
+                      labeler_backend="api", labeler_model="judge", labeler_api_key_env=JUDGE_KEY_ENV, labeler_concurrency=2,
+                      labeler_max_new_tokens=16),
+}  # fmt: skip
+KILL_AFTER = {"tempo": 2, "adca_grpo": 1}  # SIGKILL during the update after this checkpoint (TEMPO: the store is full)
+TIMING_KEYS = re.compile(r"^time/|^prm/latency_")  # wall-clock metrics: never equal across runs
+
+
+class Judge:
+    """An OpenAI-compatible labeller on 127.0.0.1: GOOD/BAD per step from a hash of the request (the same request
+    always gets the same labels), after `delay_s`; counts the requests in flight at once."""
+
+    def __init__(self, delay_s: float = 0.0):
+        self.delay_s, self.lock = delay_s, threading.Lock()
+        self.in_flight = self.max_in_flight = 0
+        judge = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                content = body["messages"][-1]["content"]
+                with judge.lock:
+                    judge.in_flight += 1
+                    judge.max_in_flight = max(judge.max_in_flight, judge.in_flight)
+                time.sleep(judge.delay_s)
+                steps = int(content.split("STEPS (")[1].split(" ")[0])
+                labels = [hashlib.sha256(f"{content}{j}".encode()).digest()[0] % 2 for j in range(steps)]
+                reply = "\n".join(f"Step {j + 1} Judgment: {'GOOD' if good else 'BAD'}" for j, good in enumerate(labels))
+                data = json.dumps({"id": "c", "object": "chat.completion", "created": 0, "model": body["model"],
+                                   "choices": [{"index": 0, "finish_reason": "stop",
+                                                "message": {"role": "assistant", "content": reply}}]}).encode()  # fmt: skip
+                with judge.lock:
+                    judge.in_flight -= 1
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture(scope="module")
+def judge():
+    os.environ[JUDGE_KEY_ENV] = "not-a-secret"
+    server = Judge()
+    yield server
+    server.close()
+    del os.environ[JUDGE_KEY_ENV]
+
+
+def settings(name, games_root, tiny_model_dir, output_dir, judge_url="", **overrides) -> dict:
+    extra = {"labeler_base_url": judge_url} if name == "adca_grpo" else {}
+    return {**SHARED, **BUDGETS[name], **extra, "model": str(tiny_model_dir), "data_root": str(games_root),
+            "output_dir": str(output_dir), **overrides}  # fmt: skip
+
+
+def cli(values: dict) -> list[str]:
+    flags = []
+    for key, value in values.items():
+        flag = "--" + key.replace("_", "-")
+        flags += ([flag] if value else ["--no-" + flag[2:]]) if isinstance(value, bool) else [flag, str(value)]
+    return flags
+
+
+def read_rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def checkpoints(run_dir: Path) -> list[Path]:
+    return sorted((run_dir / "checkpoints").glob("update_*"))
+
+
+def total_updates(name) -> int:
+    budget = BUDGETS[name]
+    return budget["num_updates"] if name == "adca_grpo" else budget["warmup_updates"] + budget["td_updates"]
+
+
+def job_env(**extra) -> dict:
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1", **extra}
+
+
+# =============================================================================================
+# A job killed with SIGKILL mid-update, resumed with --resume auto, equals a job that ran straight through
+# =============================================================================================
+@pytest.fixture(scope="module")
+def killed_job(games_root, tiny_model_dir, tmp_path_factory, judge):
+    """Per script, once: (straight run dir, killed-then-resumed run dir, the killed job's stderr)."""
+    done = {}
+
+    def run(name):
+        if name in done:
+            return done[name]
+        module, out = SCRIPTS[name], tmp_path_factory.mktemp(f"killed_{name}")
+        straight = module.main(module.Args(**settings(name, games_root, tiny_model_dir, out / "straight", judge.url)))
+
+        values = settings(name, games_root, tiny_model_dir, out / "killed", judge.url)
+        stderr_path = out / "killed.stderr"
+        with open(stderr_path, "w") as stderr:
+            job = subprocess.Popen([sys.executable, str(ROOT / f"{name}.py"), *cli(values)], cwd=out, env=job_env(),
+                                   stdout=subprocess.DEVNULL, stderr=stderr)  # fmt: skip
+        # Kill once checkpoint k exists and the next update has played its first turn (the turn bar says so).
+        started = re.compile(rf"\[checkpoint\][^\n]*update_{KILL_AFTER[name]:06d}.*rollout: 1turn", re.DOTALL)
+        deadline = time.monotonic() + 120
+        while not started.search(stderr_path.read_text()):
+            assert job.poll() is None and time.monotonic() < deadline, stderr_path.read_text()[-3000:]
+            time.sleep(0.02)
+        job.send_signal(signal.SIGKILL)
+        assert job.wait(timeout=30) == -signal.SIGKILL
+        (killed,) = (out / "killed").iterdir()
+        assert [c.name for c in checkpoints(killed)] == [f"update_{n:06d}" for n in range(1, KILL_AFTER[name] + 1)]
+        assert len(read_rows(killed / "metrics.jsonl")) == KILL_AFTER[name]  # the kill came mid-update
+
+        # What a kill at other moments leaves: a half-written checkpoint, a row logged after the last checkpoint, a torn line.
+        partial = killed / "checkpoints" / f".tmp_update_{KILL_AFTER[name] + 1:06d}_12345"
+        partial.mkdir()
+        (partial / "adapter_model.safetensors").write_bytes(b"\0" * 10)
+        with open(killed / "metrics.jsonl", "a") as f:
+            f.write(json.dumps({"update": KILL_AFTER[name] + 1, "train/loss": 123.0}) + '\n{"update": ')
+
+        resumed = module.main(module.Args(**{**values, "resume": "auto"}))
+        done[name] = straight, resumed, stderr_path.read_text()
+        return done[name]
+
+    return run
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_killed_job_resumes_exactly(killed_job, name):
+    straight, resumed, killed_stderr = killed_job(name)
+    n = total_updates(name)
+    assert "rollout: 1turn" in killed_stderr and "update" in killed_stderr  # tqdm: update bar and turn bar
+    assert [c.name for c in checkpoints(resumed)] == [f"update_{u:06d}" for u in range(1, n + 1)]
+    assert not list((resumed / "checkpoints").glob(".tmp_*"))  # the next save cleared the half-written one
+
+    rows, expected = read_rows(resumed / "metrics.jsonl"), read_rows(straight / "metrics.jsonl")
+    assert [r["update"] for r in rows] == [r["update"] for r in expected] == list(range(1, n + 1))
+    for row, want in zip(rows, expected):
+        assert row.keys() == want.keys() and row["rollout/generated_tokens"] > 0
+        for key in row:
+            if isinstance(row[key], str):
+                assert row[key] == want[key], key
+            elif not TIMING_KEYS.search(key):
+                assert row[key] == pytest.approx(want[key], rel=1e-6, abs=1e-9), (row["update"], key)
+
+    final = f"update_{n:06d}"
+    weights = load_file(resumed / "checkpoints" / final / "adapter_model.safetensors")
+    expected_weights = load_file(straight / "checkpoints" / final / "adapter_model.safetensors")
+    assert weights.keys() == expected_weights.keys()
+    for key in weights:
+        torch.testing.assert_close(weights[key], expected_weights[key], rtol=1e-5, atol=1e-7)
+    optimizer = torch.load(resumed / "checkpoints" / final / "optimizer.pt", weights_only=True)["state"]
+    expected_optimizer = torch.load(straight / "checkpoints" / final / "optimizer.pt", weights_only=True)["state"]
+    for index in expected_optimizer:
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            torch.testing.assert_close(optimizer[index][key], expected_optimizer[index][key], rtol=1e-5, atol=1e-9)
+    state = json.loads((resumed / "checkpoints" / final / "trainer_state.json").read_text())
+    expected_state = json.loads((straight / "checkpoints" / final / "trainer_state.json").read_text())
+    assert state["rank_states"] == expected_state["rank_states"]  # game cursor, TEMPO's store and its sampler
+    if name == "tempo":
+        assert rows[-1]["td/fresh_states"] == 0  # the resumed update started from the restored store
+        assert len(state["rank_states"][0]["store"]) > 0
+    else:  # the judge's labels trained the adapter: the comparison above is not between two untouched adapters
+        first = load_file(resumed / "checkpoints" / "update_000001" / "adapter_model.safetensors")
+        assert any(not torch.equal(first[k], weights[k]) for k in weights)
+        assert all(r["prm/label_requests"] == 4 and r["train/grad_norm"] > 0 for r in rows)
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_checkpoint_round_trip_continues_exactly(name, games_root, tiny_model_dir, tmp_path, judge):
+    """With real gradients (advantages +1 / -1 on two sampled branches): 3 steps straight == 1 step, checkpoint,
+    a fresh process-like runtime (other seed) loading it, 2 more steps. Same samples, weights, optimizer state."""
+    module = SCRIPTS[name]
+    args = module.Args(**settings(name, games_root, tiny_model_dir, tmp_path, judge.url))
+    accelerator = module.make_accelerator()
+
+    def runtime(seed):
+        module.seed_everything(seed)
+        return module.make_runtime(args, accelerator)
+
+    def step(rt):
+        start = common.fresh_state(rt.games[0], rt.protocol)
+        (group,) = common.rollout([start], 2, rt.sample_fn, rt.protocol, horizon=2, max_episode_steps=2, max_turn_tokens=16,
+                                  max_trajectory_tokens=4096)  # fmt: skip
+        datums = []
+        for traj, advantage in zip(group, (1.0, -1.0)):
+            tokens, old_logprobs, step_ids = traj.sequence()
+            mask = [float(k >= 0) for k in step_ids]
+            datums.append(module.Datum(tokens, old_logprobs, [advantage * m for m in mask], mask))
+        metrics = module.train_step(rt.model, rt.optimizer, accelerator, datums, temperature=1.0, pad_id=rt.tokenizer.pad_token_id,
+                                    micro_batch_tokens=4096, max_grad_norm=1.0)  # fmt: skip
+        assert metrics["train/grad_norm"] > 0 and metrics["train/nonfinite_skipped"] == 0
+        return [traj.tokens for traj in group]
+
+    def trainable(rt):
+        return {n: p.detach().clone() for n, p in accelerator.unwrap_model(rt.model).named_parameters() if p.requires_grad}
+
+    straight = runtime(0)
+    step(straight)
+    checkpoint = module.save_checkpoint(tmp_path / "run", 1, straight.model, straight.optimizer, accelerator, name, {}, {})
+    samples = [step(straight), step(straight)]
+
+    resumed = runtime(123)
+    module.load_checkpoint(checkpoint, resumed.model, resumed.optimizer, accelerator)
+    assert [step(resumed), step(resumed)] == samples
+    for key, value in trainable(straight).items():
+        torch.testing.assert_close(trainable(resumed)[key], value, rtol=0, atol=0)
+    assert json.loads((checkpoint / "trainer_state.json").read_text())["adapter_sha256"] == module.adapter_sha256(
+        load_file(checkpoint / "adapter_model.safetensors"))  # fmt: skip
+
+
+# =============================================================================================
+# --eval-only
+# =============================================================================================
+def test_eval_only_on_a_checkpoint_same_metrics_in_both_scripts(killed_job, games_root, tiny_model_dir, tmp_path, judge):
+    names = {}
+    for name, module in SCRIPTS.items():
+        _, run_dir, _ = killed_job(name)
+        checkpoint = checkpoints(run_dir)[-1]
+        values = settings(name, games_root, tiny_model_dir, tmp_path / name, judge.url, eval_only=str(checkpoint), eval_games=2)
+        eval_dir = module.main(module.Args(**values))
+        (row,) = read_rows(eval_dir / "metrics.jsonl")
+        assert row["update"] == total_updates(name) and row["checkpoint"] == str(checkpoint)
+        names[name] = {k for k in row if k.startswith("eval/")}
+        assert {"eval/valid_seen/success_rate", "eval/valid_unseen/invalid_action_rate"} <= names[name]
+        assert not (eval_dir / "checkpoints").exists() and len(checkpoints(run_dir)) == total_updates(name)
+    assert names["tempo"] == names["adca_grpo"]
+
+
+# =============================================================================================
+# Bad input fails at start, with a message that names the flag
+# =============================================================================================
+@pytest.mark.parametrize("name", SCRIPTS)
+@pytest.mark.parametrize("overrides, message", [
+    (dict(split="test"), "--split"),
+    (dict(seed=-1), "--seed"),
+    (dict(task_types=()), "--task-types"),
+    (dict(eval_only="auto", eval_games=0), "--eval-only needs --eval-games"),
+    (dict(track=True, wandb_project=""), "--wandb-project"),
+    (dict(model="no-such-org/no-such-model"), "--model"),
+    (dict(model="/no/such/model"), "--model"),
+    (dict(data_root="/no/such/alfworld"), "--data-root"),
+    (dict(output_dir="{file}/runs"), "--output-dir"),
+    (dict(resume="/no/such/checkpoint"), "--resume"),
+    (dict(eval_only="auto"), "--eval-only auto: no checkpoint"),
+])  # fmt: skip
+def test_bad_input_fails_at_start(name, overrides, message, games_root, tiny_model_dir, tmp_path, judge):
+    (tmp_path / "file").write_text("")
+    overrides = {k: v.format(file=tmp_path / "file") if isinstance(v, str) else v for k, v in overrides.items()}
+    output_dir, module = overrides.pop("output_dir", tmp_path / "runs"), SCRIPTS[name]
+    with pytest.raises(ValueError, match=re.escape(message)):
+        module.main(module.Args(**settings(name, games_root, tiny_model_dir, output_dir, judge.url, **overrides)))
+    assert not list(tmp_path.glob("runs/*"))  # nothing was started
+
+
+def corrupt_truncated_adapter(checkpoint: Path):
+    path = checkpoint / "adapter_model.safetensors"
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def corrupt_garbage_state(checkpoint: Path):
+    (checkpoint / "trainer_state.json").write_text('{"algorithm": "tem')
+
+
+def corrupt_truncated_optimizer(checkpoint: Path):
+    path = checkpoint / "optimizer.pt"
+    path.write_bytes(path.read_bytes()[:100])
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+@pytest.mark.parametrize("corrupt, overrides, message", [
+    (corrupt_truncated_adapter, {}, "corrupt or incomplete checkpoint"),
+    (corrupt_garbage_state, {}, "corrupt or incomplete checkpoint"),
+    (corrupt_truncated_optimizer, {}, "corrupt or incomplete checkpoint"),
+    (None, {"lora_rank": 8}, "--lora-rank 8 does not match"),
+])  # fmt: skip
+def test_bad_checkpoint_fails_at_start(name, corrupt, overrides, message, killed_job, games_root, tiny_model_dir, tmp_path, judge):
+    module = SCRIPTS[name]
+    _, run_dir, _ = killed_job(name)
+    copy = tmp_path / "runs" / run_dir.name
+    shutil.copytree(run_dir, copy)
+    rows_before = (copy / "metrics.jsonl").read_text()
+    if corrupt is not None:
+        corrupt(checkpoints(copy)[-1])
+    values = settings(name, games_root, tiny_model_dir, tmp_path / "runs", judge.url, resume="auto", **overrides)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        module.main(module.Args(**values))
+    assert (copy / "metrics.jsonl").read_text() == rows_before
+    if corrupt is corrupt_truncated_adapter:  # also refused for --eval-only
+        with pytest.raises(ValueError, match="--eval-only .*corrupt"):
+            module.main(module.Args(**{**values, "resume": "", "eval_only": str(checkpoints(copy)[-1])}))
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_checkpoint_of_the_other_algorithm_fails_at_start(name, killed_job, games_root, tiny_model_dir, tmp_path, judge):
+    other = "adca_grpo" if name == "tempo" else "tempo"
+    checkpoint = checkpoints(killed_job(other)[1])[-1]
+    module = SCRIPTS[name]
+    for flag in ("resume", "eval_only"):
+        with pytest.raises(ValueError, match=f"checkpoint of '{other}'; this script trains '{name}'"):
+            module.main(module.Args(**settings(name, games_root, tiny_model_dir, tmp_path, judge.url, **{flag: str(checkpoint)})))
+
+
+# =============================================================================================
+# Non-finite steps are skipped and counted
+# =============================================================================================
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_nonfinite_loss_skips_the_step(name, games_root, tiny_model_dir, tmp_path, judge, capsys):
+    module = SCRIPTS[name]
+    args = module.Args(**settings(name, games_root, tiny_model_dir, tmp_path, judge.url, learning_rate=1e30))
+    accelerator = module.make_accelerator()
+    module.seed_everything(0)
+    rt = module.make_runtime(args, accelerator)
+    (group,) = common.rollout([common.fresh_state(rt.games[0], rt.protocol)], 1, rt.sample_fn, rt.protocol, horizon=2,
+                              max_episode_steps=2, max_turn_tokens=16, max_trajectory_tokens=4096)  # fmt: skip
+    tokens, old_logprobs, step_ids = group[0].sequence()
+    mask = [float(k >= 0) for k in step_ids]
+
+    def train(advantage):
+        before = {n: p.detach().clone() for n, p in rt.model.named_parameters() if p.requires_grad}
+        datum = module.Datum(tokens, old_logprobs, [advantage * m for m in mask], mask)
+        metrics = module.train_step(rt.model, rt.optimizer, accelerator, [datum], temperature=1.0,
+                                    pad_id=rt.tokenizer.pad_token_id, micro_batch_tokens=4096, max_grad_norm=1.0)  # fmt: skip
+        changed = any(not torch.equal(before[n], p) for n, p in rt.model.named_parameters() if p.requires_grad)
+        return metrics, changed
+
+    metrics, changed = train(float("nan"))  # a NaN advantage
+    assert metrics["train/nonfinite_skipped"] == 1 and not changed
+    metrics, changed = train(1.0)  # a finite step with a learning rate of 1e30: the weights explode...
+    assert metrics["train/nonfinite_skipped"] == 0 and changed
+    metrics, changed = train(1.0)  # ...and the next loss is not finite: skipped, weights untouched
+    assert metrics["train/nonfinite_skipped"] == 1 and not changed and not torch.isfinite(torch.tensor(metrics["train/loss"]))
+    assert capsys.readouterr().err.count("step skipped") == 2
+
+
+# =============================================================================================
+# A real 2-process job: `accelerate launch` on CPU (gloo), W&B offline
+# =============================================================================================
+def launch(name, values: dict, tmp_path: Path, timeout_s: int = 240) -> tuple[subprocess.CompletedProcess, list[int]]:
+    """`accelerate launch` with 2 CPU processes under `timeout`; returns the result and the pids of any process of
+    the job still alive after it ended (found by a marker in their environment; they are killed)."""
+    marker = uuid.uuid4().hex
+    command = ["timeout", "-k", "10", str(timeout_s), str(Path(sys.executable).parent / "accelerate"), "launch", "--multi_gpu",
+               "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+               str(ROOT / f"{name}.py"), *cli(values)]  # fmt: skip
+    env = job_env(WANDB_MODE="offline", WANDB_DIR=str(tmp_path / "wandb"), OMP_NUM_THREADS="1", TRAINING_JOB_MARKER=marker)
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout_s + 30)
+    time.sleep(1.0)  # let exiting children go
+    leftovers = []
+    for process in psutil.process_iter():
+        try:
+            if process.environ().get("TRAINING_JOB_MARKER") == marker:
+                leftovers.append(process.pid)
+                process.kill()
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return result, leftovers
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_two_process_job(name, games_root, tiny_model_dir, tmp_path, monkeypatch):
+    module, n = SCRIPTS[name], total_updates(name)
+    judge = Judge(delay_s=0.1) if name == "adca_grpo" else None
+    monkeypatch.setenv(JUDGE_KEY_ENV, "not-a-secret")  # inherited by the job
+    try:
+        values = settings(name, games_root, tiny_model_dir, tmp_path / "runs", judge.url if judge else "", track=True,
+                          **({"labeler_log_dir": str(tmp_path / "labels")} if judge else {}))  # fmt: skip
+        (tmp_path / "wandb").mkdir()
+        result, leftovers = launch(name, values, tmp_path)
+    finally:
+        if judge:
+            judge.close()
+    assert result.returncode == 0, result.stderr[-5000:]
+    assert not leftovers, f"processes of the job still running after it ended: {leftovers}"
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    rows = read_rows(run_dir / "metrics.jsonl")
+    assert [r["update"] for r in rows] == list(range(1, n + 1))  # one line per update: logged once
+
+    # Every checkpoint was written once, holds every rank's state, and all ranks held the same adapter.
+    assert [c.name for c in checkpoints(run_dir)] == [f"update_{u:06d}" for u in range(1, n + 1)]
+    assert result.stderr.count("identical on 2 process(es)") == n
+    for checkpoint in checkpoints(run_dir):
+        state = json.loads((checkpoint / "trainer_state.json").read_text())
+        assert len(state["rank_states"]) == 2 and len(torch.load(checkpoint / "rng.pt", weights_only=True)) == 2
+        assert state["adapter_sha256"] == module.adapter_sha256(load_file(checkpoint / "adapter_model.safetensors"))
+        assert f"{state['adapter_sha256'][:16]} identical on 2 process(es)" in result.stderr
+
+    # W&B offline: one run (the main process's), with the sample trajectories as tables.
+    (wandb_run,) = (tmp_path / "wandb" / "wandb").glob("offline-run-*")
+    assert list(wandb_run.glob("*.wandb")) and list(wandb_run.glob("files/media/table/samples_*.table.json"))
+
+    if name == "adca_grpo":
+        assert judge.max_in_flight <= 2  # --labeler-concurrency 2 bounds both processes together
+        assert all(r["prm/label_requests"] == 8 and r["prm/label_failures"] == 0 for r in rows)  # 4 per rank
+        assert all(r["train/tokens"] == r["rollout/generated_tokens"] > 0 for r in rows)  # summed over ranks alike
+        for rank in (0, 1):
+            assert len((tmp_path / "labels" / f"labels_rank{rank}.jsonl").read_text().splitlines()) == 4 * n
+        return
+
+    # TEMPO: each rank kept its own store of states from its own games; a 2-process resume restores both shards.
+    stores = json.loads((checkpoints(run_dir)[-2] / "trainer_state.json").read_text())["rank_states"]
+    games = [{json.loads(s)["game_file"] for s in rank["store"]} for rank in stores]
+    assert all(games) and not games[0] & games[1]
+    assert all(r["rollout/generated_tokens"] > 0 for r in rows)
+    with pytest.raises(ValueError, match="written by 2 processes"):
+        tempo.main(tempo.Args(**{**values, "track": False, "resume": str(checkpoints(run_dir)[-2])}))
+    shutil.rmtree(checkpoints(run_dir)[-1])  # resume from update n - 1 as if the job had died in update n
+    result, leftovers = launch(name, {**values, "resume": "auto"}, tmp_path)
+    assert result.returncode == 0 and not leftovers, result.stderr[-5000:]
+    resumed = read_rows(run_dir / "metrics.jsonl")
+    assert [r["update"] for r in resumed] == list(range(1, n + 1)) and resumed[-1]["td/fresh_states"] == 0
