@@ -255,9 +255,30 @@ def load_model(args, accelerator):
     return tokenizer, model, optimizer
 
 
+class SampledTokenLogprobs:
+    """A generate() logits processor that records log_softmax(raw logits / temperature) of each sampled token.
+    generate() runs it before temperature/top-p and hands it the tokens sampled so far, so it keeps one step's
+    distribution at a time instead of the [steps, batch, vocab] logits that output_logits would hold."""
+
+    def __init__(self, temperature: float):
+        self.temperature, self.previous, self.steps = temperature, None, []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.previous is not None:
+            self.steps.append(self.previous.gather(-1, input_ids[:, -1:]).squeeze(-1))
+        self.previous = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        return scores
+
+    def logprobs(self, sequences: torch.Tensor) -> torch.Tensor:
+        """[batch, new tokens] once generate() has returned `sequences`."""
+        return torch.stack(self.steps + [self.previous.gather(-1, sequences[:, -1:]).squeeze(-1)], dim=1)
+
+
 def make_sampler(model, tokenizer, accelerator, args, greedy: bool = False) -> common.SampleFn:
     """common.SampleFn over generate(): left-padded chunks of sample_batch_size prompts. A token's logprob is
     log_softmax(raw logits / temperature), which equals a teacher-forced pass at that temperature."""
+    from transformers import LogitsProcessorList
+
     pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
 
     @torch.no_grad()
@@ -271,18 +292,15 @@ def make_sampler(model, tokenizer, accelerator, args, greedy: bool = False) -> c
             width = max(len(p) for p in chunk)
             input_ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in chunk], device=accelerator.device)
             attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=accelerator.device)
+            recorder = SampledTokenLogprobs(args.temperature)
             # Every sampling field is passed: the model's own generation_config would otherwise apply.
-            out = policy.generate(
+            sequences = policy.generate(
                 input_ids=input_ids, attention_mask=attention_mask, do_sample=not greedy,
                 temperature=args.temperature, top_p=args.top_p, top_k=0, repetition_penalty=1.0,
-                max_new_tokens=max_new_tokens, output_logits=True, return_dict_in_generate=True,
+                max_new_tokens=max_new_tokens, logits_processor=LogitsProcessorList([recorder]),
                 pad_token_id=pad_id, eos_token_id=eos_id,
             )  # fmt: skip
-            new_tokens = out.sequences[:, width:]
-            logprobs = torch.stack([
-                torch.log_softmax(step_logits.float() / args.temperature, dim=-1).gather(-1, new_tokens[:, i : i + 1]).squeeze(-1)
-                for i, step_logits in enumerate(out.logits)
-            ], dim=1)  # fmt: skip
+            new_tokens, logprobs = sequences[:, width:], recorder.logprobs(sequences)
             for row_tokens, row_logprobs in zip(new_tokens.tolist(), logprobs.tolist()):
                 end = row_tokens.index(eos_id) + 1 if eos_id in row_tokens else len(row_tokens)
                 text = tokenizer.decode(row_tokens[:end], skip_special_tokens=True)

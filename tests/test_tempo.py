@@ -202,6 +202,19 @@ def test_actor_loss_mask_covers_only_the_segments_generated_tokens(runtime):
     assert datum.old_logprobs[traj.steps[0].prompt_length] == traj.steps[0].logprobs[0]
 
 
+@pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 0.9)])
+def test_sampling_logprobs_equal_a_teacher_forced_pass_per_token(runtime, temperature, top_p):
+    rt = runtime(temperature=temperature, top_p=top_p, sample_batch_size=2)
+    prompts = [rt.fresh_state().prefix_tokens, rt.fresh_state().prefix_tokens[:40], [1, 2, 3]]
+    replies = rt.sample_fn(prompts, 24)
+    sequences = [p + r.tokens for p, r in zip(prompts, replies)]
+    forced = tempo.sequence_logprobs(rt.model, rt.accelerator, sequences, temperature, rt.tokenizer.pad_token_id,
+                                     rt.args.micro_batch_tokens)  # fmt: skip
+    for prompt, reply, logprobs in zip(prompts, replies, forced):
+        assert len(reply.tokens) == len(reply.logprobs) >= 1
+        assert reply.logprobs == pytest.approx(logprobs[len(prompt) :], abs=1e-4)
+
+
 @pytest.mark.parametrize("sign", [1.0, -1.0])
 def test_update_moves_logprob_with_the_advantage_sign(runtime, sign):
     rt = runtime(learning_rate=1e-2)
