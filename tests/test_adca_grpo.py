@@ -4,13 +4,11 @@ tiny model, one PPO-clip update, and smoke runs of main() with each backend."""
 
 import json
 import math
-import threading
 import time
-from collections import defaultdict
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
+from chat_server import ScriptedEndpoint
 
 import adca_grpo
 import common
@@ -152,65 +150,6 @@ def test_label_prompt_numbers_steps_from_one():
 # =============================================================================================
 # the api labeller against a real local OpenAI-compatible server
 # =============================================================================================
-class ScriptedEndpoint:
-    """A real HTTP server on 127.0.0.1 speaking /v1/chat/completions. `behave(content, attempt)` gets the
-    user message and the 1-based attempt number for that message and returns (status, payload, delay_s);
-    a str payload is the assistant's reply, a dict is sent as the JSON body, bytes are sent as they are."""
-
-    def __init__(self, behave):
-        self.behave, self.lock, self.stop = behave, threading.Lock(), threading.Event()
-        self.in_flight = self.max_in_flight = 0
-        self.attempt_times = defaultdict(list)  # user message -> arrival times
-        self.auth_headers = set()
-        endpoint = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                content = body["messages"][-1]["content"]
-                with endpoint.lock:
-                    endpoint.in_flight += 1
-                    endpoint.max_in_flight = max(endpoint.max_in_flight, endpoint.in_flight)
-                    endpoint.attempt_times[content].append(time.monotonic())
-                    endpoint.auth_headers.add(self.headers.get("Authorization"))
-                    attempt = len(endpoint.attempt_times[content])
-                try:
-                    status, payload, delay = endpoint.behave(content, attempt)
-                    endpoint.stop.wait(delay)
-                    if isinstance(payload, str):
-                        payload = {"id": "c", "object": "chat.completion", "created": 0, "model": body["model"],
-                                   "choices": [{"index": 0, "finish_reason": "stop",
-                                                "message": {"role": "assistant", "content": payload}}]}  # fmt: skip
-                    data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
-                    self.send_response(status)
-                    self.send_header("Content-Type", "application/json")
-                    self.send_header("Content-Length", str(len(data)))
-                    self.end_headers()
-                    self.wfile.write(data)
-                except (BrokenPipeError, ConnectionResetError):
-                    pass  # the client gave up (timeout)
-                finally:
-                    with endpoint.lock:
-                        endpoint.in_flight -= 1
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.stop.set()
-        self.server.shutdown()
-        self.server.server_close()
-
-
 def judgments(n, good=lambda j: j % 2 == 0):
     return "\n".join(f"Step {j + 1} Analysis: fine.\nStep {j + 1} Judgment: {'GOOD' if good(j) else 'BAD'}" for j in range(n))
 

@@ -2,6 +2,7 @@
 fails at start, non-finite steps are skipped, --eval-only, and real 2-process `accelerate launch` runs with W&B
 offline. The expensive subprocess scenarios run once per script and are shared by the tests below them."""
 
+import contextlib
 import hashlib
 import json
 import os
@@ -10,15 +11,14 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import psutil
 import pytest
 import torch
+from chat_server import ScriptedEndpoint
 from safetensors.torch import load_file
 
 import adca_grpo
@@ -43,56 +43,22 @@ KILL_AFTER = {"tempo": 2, "adca_grpo": 1}  # SIGKILL during the update after thi
 TIMING_KEYS = re.compile(r"^time/|^prm/latency_")  # wall-clock metrics: never equal across runs
 
 
-class Judge:
-    """An OpenAI-compatible labeller on 127.0.0.1: GOOD/BAD per step from a hash of the request (the same request
-    always gets the same labels), after `delay_s`; counts the requests in flight at once."""
+def judge_endpoint(delay_s: float = 0.0) -> ScriptedEndpoint:
+    """GOOD/BAD per step from a hash of the request (the same request always gets the same labels), after delay_s."""
 
-    def __init__(self, delay_s: float = 0.0):
-        self.delay_s, self.lock = delay_s, threading.Lock()
-        self.in_flight = self.max_in_flight = 0
-        judge = self
+    def behave(content, attempt):
+        steps = int(content.split("STEPS (")[1].split(" ")[0])
+        labels = [hashlib.sha256(f"{content}{j}".encode()).digest()[0] % 2 for j in range(steps)]
+        return 200, "\n".join(f"Step {j + 1} Judgment: {'GOOD' if good else 'BAD'}" for j, good in enumerate(labels)), delay_s
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                content = body["messages"][-1]["content"]
-                with judge.lock:
-                    judge.in_flight += 1
-                    judge.max_in_flight = max(judge.max_in_flight, judge.in_flight)
-                time.sleep(judge.delay_s)
-                steps = int(content.split("STEPS (")[1].split(" ")[0])
-                labels = [hashlib.sha256(f"{content}{j}".encode()).digest()[0] % 2 for j in range(steps)]
-                reply = "\n".join(f"Step {j + 1} Judgment: {'GOOD' if good else 'BAD'}" for j, good in enumerate(labels))
-                data = json.dumps({"id": "c", "object": "chat.completion", "created": 0, "model": body["model"],
-                                   "choices": [{"index": 0, "finish_reason": "stop",
-                                                "message": {"role": "assistant", "content": reply}}]}).encode()  # fmt: skip
-                with judge.lock:
-                    judge.in_flight -= 1
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
+    return ScriptedEndpoint(behave)
 
 
 @pytest.fixture(scope="module")
 def judge():
     os.environ[JUDGE_KEY_ENV] = "not-a-secret"
-    server = Judge()
-    yield server
-    server.close()
+    with judge_endpoint() as server:
+        yield server
     del os.environ[JUDGE_KEY_ENV]
 
 
@@ -407,16 +373,12 @@ def launch(name, values: dict, tmp_path: Path, timeout_s: int = 240) -> tuple[su
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_two_process_job(name, games_root, tiny_model_dir, tmp_path, monkeypatch):
     module, n = SCRIPTS[name], total_updates(name)
-    judge = Judge(delay_s=0.1) if name == "adca_grpo" else None
     monkeypatch.setenv(JUDGE_KEY_ENV, "not-a-secret")  # inherited by the job
-    try:
+    with judge_endpoint(delay_s=0.1) if name == "adca_grpo" else contextlib.nullcontext() as judge:
         values = settings(name, games_root, tiny_model_dir, tmp_path / "runs", judge.url if judge else "", track=True,
                           **({"labeler_log_dir": str(tmp_path / "labels")} if judge else {}))  # fmt: skip
         (tmp_path / "wandb").mkdir()
         result, leftovers = launch(name, values, tmp_path)
-    finally:
-        if judge:
-            judge.close()
     assert result.returncode == 0, result.stderr[-5000:]
     assert not leftovers, f"processes of the job still running after it ended: {leftovers}"
     (run_dir,) = (tmp_path / "runs").iterdir()
