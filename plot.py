@@ -12,7 +12,8 @@ from pathlib import Path
 import numpy as np
 import tyro
 
-CRITIC_PANEL = ("critic/abs_error_mean", "critic/value_target_mean", "critic/value_corr", "critic/parse_failure_rate")
+CRITIC_PANEL = ("critic/abs_error_mean", "critic/value_target_mean", "critic/value_target_std", "critic/value_corr",
+                "critic/parse_failure_rate")
 TOKENS_METRIC = "rollout/generated_tokens"
 
 
