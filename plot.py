@@ -19,7 +19,7 @@ TOKENS_METRIC = "rollout/generated_tokens"
 
 @dataclasses.dataclass
 class Args:
-    runs: tuple[Path, ...]
+    runs: tyro.conf.Positional[tuple[Path, ...]]
     """run directories (each holds config.json and metrics.jsonl)"""
     out: Path = Path("plots")
     """folder for the PNGs"""

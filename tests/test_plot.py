@@ -1,6 +1,9 @@
 """plot.py: run directories -> comparison and critic PNGs, mean +/- std across seeds."""
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,8 +23,10 @@ def test_plot_runs(tmp_path):
     _write_run(tmp_path / "tempo__1__0", "tempo", 1, [0.0, 0.2, 0.4])
     _write_run(tmp_path / "tempo__2__0", "tempo", 2, [0.0, 0.4, 0.6, 0.9])
     _write_run(tmp_path / "grpo__1__0", "grpo", 1, [0.1, 0.1, 0.2])
-    written = plot.main(plot.Args(runs=tuple(sorted(tmp_path.iterdir())), out=tmp_path / "plots",
-                                  metrics=("eval/valid_seen/success_rate",)))
+    runs = [str(p) for p in sorted(tmp_path.iterdir())]
+    subprocess.run([sys.executable, str(Path(plot.__file__)), *runs, "--out", str(tmp_path / "plots"),
+                    "--metrics", "eval/valid_seen/success_rate"], check=True, capture_output=True)  # fmt: skip
+    written = sorted((tmp_path / "plots").iterdir())
     assert [p.name for p in written] == ["comparison.png", "critic.png"]
     assert all(p.read_bytes().startswith(b"\x89PNG") for p in written)
 
