@@ -189,13 +189,23 @@ def validate_model_args(args) -> None:
         (0 < args.top_p <= 1, f"--top-p must lie in (0, 1], got {args.top_p}"),
         (args.micro_batch_tokens >= 1, f"--micro-batch-tokens must be >= 1, got {args.micro_batch_tokens}"),
         (args.sample_batch_size >= 1, f"--sample-batch-size must be >= 1, got {args.sample_batch_size}"),
-        (args.data_root is None or bool(args.data_root), "--data-root must not be empty (leave it unset for the offline games)"),
-        (args.split in ("train", "valid_seen", "valid_unseen"), f"--split must be train, valid_seen or valid_unseen, got {args.split!r}"),
-        (args.task_types is None or (len(args.task_types) >= 1 and set(args.task_types) <= set(common.TASK_TYPES)),
-         f"--task-types must be among {common.TASK_TYPES}, got {args.task_types}"),
+        (
+            args.data_root is None or bool(args.data_root),
+            "--data-root must not be empty (leave it unset for the offline games)",
+        ),
+        (
+            args.split in ("train", "valid_seen", "valid_unseen"),
+            f"--split must be train, valid_seen or valid_unseen, got {args.split!r}",
+        ),
+        (
+            args.task_types is None or (len(args.task_types) >= 1 and set(args.task_types) <= set(common.TASK_TYPES)),
+            f"--task-types must be among {common.TASK_TYPES}, got {args.task_types}",
+        ),
         (args.seed >= 0, f"--seed must be >= 0, got {args.seed}"),
-        (bool(args.exp_name) and "__" not in args.exp_name and "/" not in args.exp_name,
-         f"--exp-name must be non-empty without '__' or '/', got {args.exp_name!r}"),
+        (
+            bool(args.exp_name) and "__" not in args.exp_name and "/" not in args.exp_name,
+            f"--exp-name must be non-empty without '__' or '/', got {args.exp_name!r}",
+        ),
         (bool(args.output_dir), "--output-dir must not be empty"),
         (not args.track or bool(args.wandb_project), "--wandb-project must not be empty with --track"),
         (args.save_every >= 0, f"--save-every must be >= 0, got {args.save_every}"),
@@ -203,7 +213,7 @@ def validate_model_args(args) -> None:
         (args.eval_games >= 0, f"--eval-games must be >= 0, got {args.eval_games}"),
         (not (args.resume and args.eval_only), "--resume and --eval-only cannot be combined"),
         (not args.eval_only or args.eval_games >= 1, "--eval-only needs --eval-games >= 1"),
-    ]  # fmt: skip
+    ]
     for ok, message in checks:
         if not ok:
             raise ValueError(message)
@@ -217,8 +227,10 @@ def make_accelerator():
 
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     if accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM):
-        raise ValueError(f"accelerate config: {accelerator.distributed_type} is not supported; launch with DDP "
-                         "(accelerate launch --multi_gpu), see the README")  # fmt: skip
+        raise ValueError(
+            f"accelerate config: {accelerator.distributed_type} is not supported; launch with DDP "
+            "(accelerate launch --multi_gpu), see the README"
+        )
     return accelerator
 
 
@@ -280,13 +292,20 @@ def load_model(args, accelerator):
     base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16 if on_gpu else torch.float32)
     if on_gpu:  # long multi-turn sequences: activations would not fit otherwise
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    lora = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, target_modules=list(args.lora_targets),
-                      lora_dropout=0.0, task_type="CAUSAL_LM")  # fmt: skip
+    lora = LoraConfig(
+        r=args.lora_rank,
+        lora_alpha=args.lora_alpha,
+        target_modules=list(args.lora_targets),
+        lora_dropout=0.0,
+        task_type="CAUSAL_LM",
+    )
     model = get_peft_model(base, lora)
     optimizer = torch.optim.AdamW(
         [p for p in model.parameters() if p.requires_grad],
-        lr=args.learning_rate, betas=tuple(args.adam_betas), weight_decay=args.weight_decay,
-    )  # fmt: skip
+        lr=args.learning_rate,
+        betas=tuple(args.adam_betas),
+        weight_decay=args.weight_decay,
+    )
     model, optimizer = accelerator.prepare(model, optimizer)
     return tokenizer, model, optimizer
 
@@ -327,15 +346,24 @@ def make_sampler(model, tokenizer, accelerator, args, greedy: bool = False) -> c
             chunk = prompts[first : first + args.sample_batch_size]
             width = max(len(p) for p in chunk)
             input_ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in chunk], device=accelerator.device)
-            attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=accelerator.device)
+            attention_mask = torch.tensor(
+                [[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=accelerator.device
+            )
             recorder = SampledTokenLogprobs(args.temperature)
             # Every sampling field is passed: the model's own generation_config would otherwise apply.
             sequences = policy.generate(
-                input_ids=input_ids, attention_mask=attention_mask, do_sample=not greedy,
-                temperature=args.temperature, top_p=args.top_p, top_k=0, repetition_penalty=1.0,
-                max_new_tokens=max_new_tokens, logits_processor=LogitsProcessorList([recorder]),
-                pad_token_id=pad_id, eos_token_id=eos_id,
-            )  # fmt: skip
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                do_sample=not greedy,
+                temperature=args.temperature,
+                top_p=args.top_p,
+                top_k=0,
+                repetition_penalty=1.0,
+                max_new_tokens=max_new_tokens,
+                logits_processor=LogitsProcessorList([recorder]),
+                pad_token_id=pad_id,
+                eos_token_id=eos_id,
+            )
             new_tokens, logprobs = sequences[:, width:], recorder.logprobs(sequences)
             for row_tokens, row_logprobs in zip(new_tokens.tolist(), logprobs.tolist()):
                 end = row_tokens.index(eos_id) + 1 if eos_id in row_tokens else len(row_tokens)
@@ -376,15 +404,18 @@ def forward_logprobs(policy, rows: list[list[int]], temperature: float, pad_id: 
 
 
 @torch.no_grad()
-def sequence_logprobs(model, accelerator, sequences: list[list[int]], temperature: float, pad_id: int,
-                      micro_batch_tokens: int) -> list[list[float]]:  # fmt: skip
+def sequence_logprobs(
+    model, accelerator, sequences: list[list[int]], temperature: float, pad_id: int, micro_batch_tokens: int
+) -> list[list[float]]:
     """Per-token logprobs of whole sequences under the current policy (no gradient)."""
     policy = accelerator.unwrap_model(model)
     was_training = policy.training
     policy.eval()
     result: list[list[float]] = [[] for _ in sequences]
     for batch in token_budget_batches([len(s) for s in sequences], micro_batch_tokens):
-        logprobs = forward_logprobs(policy, [list(sequences[i]) for i in batch], temperature, pad_id, accelerator.device)
+        logprobs = forward_logprobs(
+            policy, [list(sequences[i]) for i in batch], temperature, pad_id, accelerator.device
+        )
         for row, i in enumerate(batch):
             result[i] = logprobs[row, : len(sequences[i])].tolist()
     policy.train(was_training)
@@ -408,8 +439,18 @@ class Datum:
             raise ValueError("the first token of a datum has no prediction and cannot be trained")
 
 
-def train_step(model, optimizer, accelerator, datums: list[Datum], *, temperature: float, pad_id: int,
-               micro_batch_tokens: int, max_grad_norm: float, clip: tuple[float, float] | None = None) -> dict:  # fmt: skip
+def train_step(
+    model,
+    optimizer,
+    accelerator,
+    datums: list[Datum],
+    *,
+    temperature: float,
+    pad_id: int,
+    micro_batch_tokens: int,
+    max_grad_norm: float,
+    clip: tuple[float, float] | None = None,
+) -> dict:
     """One optimizer step on all datums (token-budget micro-batches, gradient accumulation).
 
     Loss per trained token, ratio = exp(logp - old_logp): clip=None is the importance-sampling policy
@@ -459,7 +500,11 @@ def train_step(model, optimizer, accelerator, datums: list[Datum], *, temperatur
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm).item()
     sums = accelerator.reduce(torch.tensor([loss_sum, ratio_sum, clipped], dtype=torch.float64, device=device), "sum")
     loss_total, ratio_total, clipped_total = sums.tolist()
-    ratio_max = accelerator.reduce(torch.tensor([ratio_max], device=device), "max").item() if accelerator.num_processes > 1 else ratio_max
+    ratio_max = (
+        accelerator.reduce(torch.tensor([ratio_max], device=device), "max").item()
+        if accelerator.num_processes > 1
+        else ratio_max
+    )
     finite = math.isfinite(loss_total) and math.isfinite(grad_norm)
     if finite:
         optimizer.step()
@@ -467,10 +512,14 @@ def train_step(model, optimizer, accelerator, datums: list[Datum], *, temperatur
         print(f"[train] non-finite loss {loss_total} or gradient norm {grad_norm}: step skipped", file=sys.stderr)
     optimizer.zero_grad(set_to_none=True)
     return {
-        "train/loss": loss_total, "train/tokens": total_tokens, "train/grad_norm": grad_norm,
-        "train/ratio_mean": ratio_total / total_tokens, "train/ratio_max": ratio_max,
-        "train/clip_frac": clipped_total / total_tokens, "train/nonfinite_skipped": 0.0 if finite else 1.0,
-    }  # fmt: skip
+        "train/loss": loss_total,
+        "train/tokens": total_tokens,
+        "train/grad_norm": grad_norm,
+        "train/ratio_mean": ratio_total / total_tokens,
+        "train/ratio_max": ratio_max,
+        "train/clip_frac": clipped_total / total_tokens,
+        "train/nonfinite_skipped": 0.0 if finite else 1.0,
+    }
 
 
 def reduce_metrics(accelerator, metrics: dict, sum_keys: Sequence[str] = ()) -> dict:
@@ -532,9 +581,15 @@ class RunLogger:
 
             # The mode comes from WANDB_MODE, never forced online; without it and without credentials: offline.
             mode = None if os.environ.get("WANDB_MODE") or wandb.login(prompt=False, verify=False) else "offline"
-            self.wandb = wandb.init(project=args.wandb_project, name=self.run_dir.name, id=self.run_dir.name, resume="allow",
-                                    config=dataclasses.asdict(args), dir=None if os.environ.get("WANDB_DIR") else str(self.run_dir),
-                                    mode=mode)  # fmt: skip
+            self.wandb = wandb.init(
+                project=args.wandb_project,
+                name=self.run_dir.name,
+                id=self.run_dir.name,
+                resume="allow",
+                config=dataclasses.asdict(args),
+                dir=None if os.environ.get("WANDB_DIR") else str(self.run_dir),
+                mode=mode,
+            )
         self.bar = tqdm(total=total_updates, initial=done, desc=self.run_dir.name, unit="update", dynamic_ncols=True)
         self.turns = tqdm(desc="rollout", unit="turn", position=1, leave=False, dynamic_ncols=True)
 
@@ -559,10 +614,21 @@ class RunLogger:
         if self.wandb is not None:
             import wandb
 
-            rows = [[update, s.get("game", ""), s.get("task", ""),
-                     "\n\n".join(f"[{m['role']}] {m['content']}" for m in s.get("messages", ())),
-                     json.dumps({k: v for k, v in s.items() if k not in ("game", "task", "messages")})] for s in samples]  # fmt: skip
-            table = {"samples": wandb.Table(columns=["update", "game", "task", "messages", "details"], data=rows)} if rows else {}
+            rows = [
+                [
+                    update,
+                    s.get("game", ""),
+                    s.get("task", ""),
+                    "\n\n".join(f"[{m['role']}] {m['content']}" for m in s.get("messages", ())),
+                    json.dumps({k: v for k, v in s.items() if k not in ("game", "task", "messages")}),
+                ]
+                for s in samples
+            ]
+            table = (
+                {"samples": wandb.Table(columns=["update", "game", "task", "messages", "details"], data=rows)}
+                if rows
+                else {}
+            )
             self.wandb.log({**numeric, **table}, step=update)
         self.bar.update(1)
         self.bar.set_postfix({k.split("/")[-1]: f"{numeric[k]:.3g}" for k in self.postfix_keys if k in numeric})
@@ -607,8 +673,9 @@ def adapter_sha256(adapter: dict[str, torch.Tensor]) -> str:
     return digest.hexdigest()
 
 
-def save_checkpoint(run_dir: Path, update: int, model, optimizer, accelerator, algorithm: str,
-                    trainer_state: dict, rank_state: dict) -> Path:  # fmt: skip
+def save_checkpoint(
+    run_dir: Path, update: int, model, optimizer, accelerator, algorithm: str, trainer_state: dict, rank_state: dict
+) -> Path:
     """checkpoints/update_{n:06d}/: adapter (safetensors), optimizer, RNG states and trainer_state.json of every
     process, written by the main process into a temporary dir that is then renamed: a checkpoint dir is always
     complete, whenever the job dies. All processes call; they must hold the same adapter (checked, loudly)."""
@@ -620,8 +687,10 @@ def save_checkpoint(run_dir: Path, update: int, model, optimizer, accelerator, a
     per_rank = [{"state": rank_state, "rng": _rng_state(), "adapter_sha256": checksum}]
     per_rank = gather_object(per_rank) if accelerator.num_processes > 1 else per_rank
     if len({r["adapter_sha256"] for r in per_rank}) > 1:
-        raise RuntimeError(f"update {update}: the adapter differs across processes (sha256 per rank: "
-                           f"{[r['adapter_sha256'][:16] for r in per_rank]}); gradients were not synchronised")  # fmt: skip
+        raise RuntimeError(
+            f"update {update}: the adapter differs across processes (sha256 per rank: "
+            f"{[r['adapter_sha256'][:16] for r in per_rank]}); gradients were not synchronised"
+        )
     checkpoints = Path(run_dir) / "checkpoints"
     final = checkpoints / f"update_{update:06d}"
     if accelerator.is_main_process:
@@ -632,8 +701,13 @@ def save_checkpoint(run_dir: Path, update: int, model, optimizer, accelerator, a
         policy.save_pretrained(tmp)
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         torch.save([r["rng"] for r in per_rank], tmp / "rng.pt")
-        state = {"algorithm": algorithm, "update": update, **trainer_state, "adapter_sha256": checksum,
-                 "rank_states": [r["state"] for r in per_rank]}  # fmt: skip
+        state = {
+            "algorithm": algorithm,
+            "update": update,
+            **trainer_state,
+            "adapter_sha256": checksum,
+            "rank_states": [r["state"] for r in per_rank],
+        }
         (tmp / "trainer_state.json").write_text(json.dumps(state))
         if final.exists():  # saving an update again (resumed from an older checkpoint): move the old one aside first
             old = checkpoints / f".tmp_old_{final.name}_{os.getpid()}"
@@ -642,8 +716,11 @@ def save_checkpoint(run_dir: Path, update: int, model, optimizer, accelerator, a
             shutil.rmtree(old)
         else:
             os.replace(tmp, final)
-        print(f"[checkpoint] {final}: adapter sha256 {checksum[:16]} identical on {accelerator.num_processes} "
-              f"process(es)", file=sys.stderr)  # fmt: skip
+        print(
+            f"[checkpoint] {final}: adapter sha256 {checksum[:16]} identical on {accelerator.num_processes} "
+            f"process(es)",
+            file=sys.stderr,
+        )
     accelerator.wait_for_everyone()
     return final
 
@@ -659,8 +736,10 @@ def find_checkpoint(spec: str, output_dir: str, exp_name: str, flag: str) -> Pat
     if not spec:
         return None
     if spec == "auto":
-        runs = sorted(Path(output_dir).glob(f"{exp_name}__*"), key=lambda p: (int(p.name.split("__")[-1]), p.name)
-                      if p.name.split("__")[-1].isdigit() else (0, p.name))  # fmt: skip
+        runs = sorted(
+            Path(output_dir).glob(f"{exp_name}__*"),
+            key=lambda p: (int(p.name.split("__")[-1]), p.name) if p.name.split("__")[-1].isdigit() else (0, p.name),
+        )
         for run_dir in reversed(runs):
             if checkpoints := _checkpoints_in(run_dir):
                 return checkpoints[-1]
@@ -687,17 +766,30 @@ def check_checkpoint(path: Path, args, algorithm: str, flag: str, num_processes:
             for name in ("optimizer.pt", "rng.pt"):
                 zipfile.ZipFile(path / name).close()  # a torch.save file is a zip; a truncated one has no directory
     except (OSError, ValueError, SafetensorError, zipfile.BadZipFile) as error:
-        raise ValueError(f"{flag} {path}: corrupt or incomplete checkpoint ({type(error).__name__}: {error}); "
-                         "pass an older checkpoint dir") from error  # fmt: skip
-    if not isinstance(state, dict) or not isinstance(state.get("update"), int) or not isinstance(state.get("rank_states"), list):
+        raise ValueError(
+            f"{flag} {path}: corrupt or incomplete checkpoint ({type(error).__name__}: {error}); "
+            "pass an older checkpoint dir"
+        ) from error
+    if (
+        not isinstance(state, dict)
+        or not isinstance(state.get("update"), int)
+        or not isinstance(state.get("rank_states"), list)
+    ):
         raise ValueError(f"{flag} {path}: corrupt checkpoint (trainer_state.json lacks update / rank_states)")
     if state.get("algorithm") != algorithm:
-        raise ValueError(f"{flag} {path} is a checkpoint of {state.get('algorithm')!r}; this script trains {algorithm!r}")
+        raise ValueError(
+            f"{flag} {path} is a checkpoint of {state.get('algorithm')!r}; this script trains {algorithm!r}"
+        )
     if num_processes is not None and len(state["rank_states"]) != num_processes:
-        raise ValueError(f"{flag} {path} was written by {len(state['rank_states'])} processes; resume it with the same "
-                         f"number (now {num_processes})")  # fmt: skip
-    saved = {"--lora-rank": adapter_config.get("r"), "--lora-alpha": adapter_config.get("lora_alpha"),
-             "--lora-targets": sorted(adapter_config.get("target_modules") or [])}  # fmt: skip
+        raise ValueError(
+            f"{flag} {path} was written by {len(state['rank_states'])} processes; resume it with the same "
+            f"number (now {num_processes})"
+        )
+    saved = {
+        "--lora-rank": adapter_config.get("r"),
+        "--lora-alpha": adapter_config.get("lora_alpha"),
+        "--lora-targets": sorted(adapter_config.get("target_modules") or []),
+    }
     ours = {"--lora-rank": args.lora_rank, "--lora-alpha": args.lora_alpha, "--lora-targets": sorted(args.lora_targets)}
     for name, value in saved.items():
         if value != ours[name]:
@@ -733,8 +825,19 @@ def load_checkpoint(path: Path, model, optimizer, accelerator) -> None:
         _set_rng_state(torch.load(path / "rng.pt", weights_only=True)[accelerator.process_index])
 
 
-def evaluate(sample_fn: common.SampleFn, protocol: common.ChatProtocol, accelerator, *, data_root, task_types, eval_games: int,
-             max_episode_steps: int, max_turn_tokens: int, max_trajectory_tokens: int, on_turn=None) -> dict:  # fmt: skip
+def evaluate(
+    sample_fn: common.SampleFn,
+    protocol: common.ChatProtocol,
+    accelerator,
+    *,
+    data_root,
+    task_types,
+    eval_games: int,
+    max_episode_steps: int,
+    max_turn_tokens: int,
+    max_trajectory_tokens: int,
+    on_turn=None,
+) -> dict:
     """Greedy episodes on the first eval_games games of valid_seen and valid_unseen (sharded over processes).
     invalid_action_rate = turns whose reply was not an admissible action (bad format or not admissible)."""
     from accelerate.utils import gather_object
@@ -748,14 +851,31 @@ def evaluate(sample_fn: common.SampleFn, protocol: common.ChatProtocol, accelera
             continue
         mine = games[accelerator.process_index :: accelerator.num_processes]
         starts = [common.fresh_state(game, protocol) for game in mine]
-        groups = common.rollout(starts, 1, sample_fn, protocol, horizon=max_episode_steps, max_episode_steps=max_episode_steps,
-                                max_turn_tokens=max_turn_tokens, max_trajectory_tokens=max_trajectory_tokens,
-                                on_turn=on_turn) if starts else []  # fmt: skip
+        groups = (
+            common.rollout(
+                starts,
+                1,
+                sample_fn,
+                protocol,
+                horizon=max_episode_steps,
+                max_episode_steps=max_episode_steps,
+                max_turn_tokens=max_turn_tokens,
+                max_trajectory_tokens=max_trajectory_tokens,
+                on_turn=on_turn,
+            )
+            if starts
+            else []
+        )
         results = [
-            {"task_type": common.load_task_type(traj.start.game_file), "won": traj.won, "steps": len(traj.steps),
-             "inadmissible": sum(not step.admissible for step in traj.steps)}
-            for group in groups for traj in group
-        ]  # fmt: skip
+            {
+                "task_type": common.load_task_type(traj.start.game_file),
+                "won": traj.won,
+                "steps": len(traj.steps),
+                "inadmissible": sum(not step.admissible for step in traj.steps),
+            }
+            for group in groups
+            for traj in group
+        ]
         results = gather_object(results) if accelerator.num_processes > 1 else results
         if not results:
             continue
@@ -763,14 +883,18 @@ def evaluate(sample_fn: common.SampleFn, protocol: common.ChatProtocol, accelera
         metrics[f"eval/{split}/success_rate"] = len(won) / len(results)
         if won:
             metrics[f"eval/{split}/mean_steps_to_success"] = sum(r["steps"] for r in won) / len(won)
-        metrics[f"eval/{split}/invalid_action_rate"] = sum(r["inadmissible"] for r in results) / max(1, sum(r["steps"] for r in results))
+        metrics[f"eval/{split}/invalid_action_rate"] = sum(r["inadmissible"] for r in results) / max(
+            1, sum(r["steps"] for r in results)
+        )
         for task_type in sorted({r["task_type"] for r in results}):
             of_type = [r["won"] for r in results if r["task_type"] == task_type]
             metrics[f"eval/{split}/success/{task_type}"] = sum(of_type) / len(of_type)
     return metrics
 
 
-def evaluate_checkpoint(args, checkpoint: Path, trainer_state: dict, model, greedy_fn, protocol, accelerator, eval_kwargs) -> Path:
+def evaluate_checkpoint(
+    args, checkpoint: Path, trainer_state: dict, model, greedy_fn, protocol, accelerator, eval_kwargs
+) -> Path:
     """--eval-only: the checkpoint's adapter, one greedy evaluation, logged as one metrics.jsonl row (update = the
     checkpoint's) of a new run dir, and printed."""
     load_checkpoint(checkpoint, model, None, accelerator)
@@ -815,7 +939,9 @@ def group_outcome_advantages(orm_scores: Sequence[float], group_ids: Sequence[in
     return advantages
 
 
-def _prm_zscores(step_flags: Sequence[Sequence[bool]], group_ids: Sequence[int], fix_base: float, equal_trajectory_weight: bool) -> list[list[float]]:
+def _prm_zscores(
+    step_flags: Sequence[Sequence[bool]], group_ids: Sequence[int], fix_base: float, equal_trajectory_weight: bool
+) -> list[list[float]]:
     """+fix_base for GOOD, -fix_base for BAD, z-scored within each group over its steps."""
     raw = [[fix_base if flag else -fix_base for flag in flags] for flags in step_flags]
     members = defaultdict(list)
@@ -843,7 +969,9 @@ def _prm_zscores(step_flags: Sequence[Sequence[bool]], group_ids: Sequence[int],
 
 def _check_decouple_inputs(orm_scores, step_flags, group_ids, orm_distribution):
     if not len(orm_scores) == len(step_flags) == len(group_ids):
-        raise ValueError(f"orm_scores, step_flags and group_ids differ in length: {len(orm_scores)}, {len(step_flags)}, {len(group_ids)}")
+        raise ValueError(
+            f"orm_scores, step_flags and group_ids differ in length: {len(orm_scores)}, {len(step_flags)}, {len(group_ids)}"
+        )
     if orm_distribution not in ORM_DISTRIBUTIONS:
         raise ValueError(f"unknown orm_distribution {orm_distribution!r}; expected one of {ORM_DISTRIBUTIONS}")
 
@@ -869,7 +997,10 @@ def decouple_step_rewards(
     for z, adv in zip(prm_z, outcome_adv):
         num_steps = len(z)
         scale = 1.0 / math.sqrt(num_steps) if length_normalization and num_steps else 1.0
-        fused = [alpha * zj + (adv if orm_distribution == "all_steps" or j == num_steps - 1 else 0.0) for j, zj in enumerate(z)]
+        fused = [
+            alpha * zj + (adv if orm_distribution == "all_steps" or j == num_steps - 1 else 0.0)
+            for j, zj in enumerate(z)
+        ]
         rewards.append([c * scale for c in fused])
     return rewards
 
@@ -890,8 +1021,16 @@ def decouple_health_metrics(
     _check_decouple_inputs(orm_scores, step_flags, group_ids, orm_distribution)
     prm_z = _prm_zscores(step_flags, group_ids, fix_base, equal_trajectory_weight)
     outcome_adv = group_outcome_advantages(orm_scores, group_ids)
-    fused = decouple_step_rewards(orm_scores, step_flags, group_ids, fix_base=fix_base, alpha=alpha, orm_distribution=orm_distribution,
-                                  equal_trajectory_weight=equal_trajectory_weight, length_normalization=length_normalization)  # fmt: skip
+    fused = decouple_step_rewards(
+        orm_scores,
+        step_flags,
+        group_ids,
+        fix_base=fix_base,
+        alpha=alpha,
+        orm_distribution=orm_distribution,
+        equal_trajectory_weight=equal_trajectory_weight,
+        length_normalization=length_normalization,
+    )
     attr_values, out_values, shares, alpha_ratios, sign_agree = [], [], [], [], []
     positives = positive_good_majority = negatives = negative_bad_majority = 0
     for i, z in enumerate(prm_z):
@@ -950,7 +1089,9 @@ def broadcast_to_tokens(step_advantages: Sequence[Sequence[float]], step_ids: to
     """(B, L) step ids (-1 = context) -> (B, L) float advantages: every token generated at step k
     gets its row's step_advantages[k]; context tokens get 0."""
     if step_ids.dim() != 2 or len(step_advantages) != step_ids.shape[0]:
-        raise ValueError(f"step_ids must be (B, L) with B = {len(step_advantages)} rows, got shape {tuple(step_ids.shape)}")
+        raise ValueError(
+            f"step_ids must be (B, L) with B = {len(step_advantages)} rows, got shape {tuple(step_ids.shape)}"
+        )
     width = max((len(row) for row in step_advantages), default=0)
     table = torch.zeros(len(step_advantages), width + 1, dtype=torch.float32)  # last column: 0 for context
     for i, row in enumerate(step_advantages):
@@ -1020,22 +1161,39 @@ def describe_steps(traj: common.Trajectory) -> list[tuple[str, str]]:
     steps = []
     for step in traj.steps:
         if not step.valid:
-            steps.append((f"(no valid action; the reply was: {step.text.strip()})", "Invalid format: the game did not advance."))
+            steps.append(
+                (f"(no valid action; the reply was: {step.text.strip()})", "Invalid format: the game did not advance.")
+            )
         else:
-            steps.append((step.action, step.observation if step.admissible else f"Not an admissible action. {step.observation}"))
+            steps.append(
+                (step.action, step.observation if step.admissible else f"Not an admissible action. {step.observation}")
+            )
     return steps
 
 
-def build_label_messages(task: str, steps: Sequence[tuple[str, str]], overall_score: float, max_step_chars: int) -> list[dict]:
+def build_label_messages(
+    task: str, steps: Sequence[tuple[str, str]], overall_score: float, max_step_chars: int
+) -> list[dict]:
     """The single chat request that asks for a judgment of every step of one trajectory."""
     polarity = "positive" if overall_score > 0 else "negative"
     lines = [f"TASK: {task}", "", f"STEPS ({len(steps)} in total):"]
     for j, (action, observation) in enumerate(steps, start=1):
-        lines += [f"Step {j}", f"Action: {_trim(action, max_step_chars)}", f"Observation: {_trim(observation, max_step_chars)}", ""]
-    lines += [f"OVERALL SCORE: {overall_score:+.4f} ({polarity})", "",
-              f"Judge every step from 1 to {len(steps)}. Answer in exactly this format, nothing else:",
-              "Step 1 Analysis: <one or two sentences>", "Step 1 Judgment: GOOD or BAD",
-              "Step 2 Analysis: <one or two sentences>", "Step 2 Judgment: GOOD or BAD", "..."]  # fmt: skip
+        lines += [
+            f"Step {j}",
+            f"Action: {_trim(action, max_step_chars)}",
+            f"Observation: {_trim(observation, max_step_chars)}",
+            "",
+        ]
+    lines += [
+        f"OVERALL SCORE: {overall_score:+.4f} ({polarity})",
+        "",
+        f"Judge every step from 1 to {len(steps)}. Answer in exactly this format, nothing else:",
+        "Step 1 Analysis: <one or two sentences>",
+        "Step 1 Judgment: GOOD or BAD",
+        "Step 2 Analysis: <one or two sentences>",
+        "Step 2 Judgment: GOOD or BAD",
+        "...",
+    ]
     return [{"role": "system", "content": LABEL_SYSTEM_PROMPT}, {"role": "user", "content": "\n".join(lines)}]
 
 
@@ -1062,8 +1220,10 @@ def labeler_api_key(args: Args) -> str:
     """The key from the environment variable named by --labeler-api-key-env (never from a flag, never logged)."""
     key = os.environ.get(args.labeler_api_key_env)
     if not key:
-        raise ValueError(f"--labeler-api-key-env names {args.labeler_api_key_env}, which is not set; export the labeller's "
-                         "key there (any value, e.g. EMPTY, for a local server without auth)")  # fmt: skip
+        raise ValueError(
+            f"--labeler-api-key-env names {args.labeler_api_key_env}, which is not set; export the labeller's "
+            "key there (any value, e.g. EMPTY, for a local server without auth)"
+        )
     return key
 
 
@@ -1091,9 +1251,12 @@ class ApiLabeler:
     async def _complete(self, client: openai.AsyncOpenAI, messages: list[dict], semaphore: asyncio.Semaphore) -> str:
         async with semaphore:  # held only while a request is in flight, never while backing off
             response = await client.chat.completions.create(
-                model=self.args.labeler_model, messages=messages, temperature=0.0,
-                max_tokens=self.args.labeler_max_new_tokens, timeout=self.args.labeler_timeout_s,
-            )  # fmt: skip
+                model=self.args.labeler_model,
+                messages=messages,
+                temperature=0.0,
+                max_tokens=self.args.labeler_max_new_tokens,
+                timeout=self.args.labeler_timeout_s,
+            )
         if not response.choices:
             raise ValueError("reply without choices")
         choice = response.choices[0]
@@ -1101,7 +1264,9 @@ class ApiLabeler:
             raise ContentRefusal("finish_reason content_filter")
         return choice.message.content or ""
 
-    async def _label_one(self, client, request: LabelRequest, semaphore: asyncio.Semaphore, deadline: float) -> LabelReply:
+    async def _label_one(
+        self, client, request: LabelRequest, semaphore: asyncio.Semaphore, deadline: float
+    ) -> LabelReply:
         args, loop = self.args, asyncio.get_running_loop()
         start, refusals, error, attempts = loop.time(), 0, None, 0
         while attempts < args.labeler_max_attempts:
@@ -1119,13 +1284,17 @@ class ApiLabeler:
             except Exception as exc:  # noqa: BLE001 - every failure is counted, none may crash training
                 error = f"{type(exc).__name__}: {exc}"
                 message = str(exc).lower()
-                if isinstance(exc, ContentRefusal) or (isinstance(exc, openai.BadRequestError) and (
-                        "data_inspection_failed" in message or "inappropriate content" in message)):  # fmt: skip
+                if isinstance(exc, ContentRefusal) or (
+                    isinstance(exc, openai.BadRequestError)
+                    and ("data_inspection_failed" in message or "inappropriate content" in message)
+                ):
                     refusals += 1
                     if refusals >= 2:
                         break
                 if isinstance(exc, openai.RateLimitError) or "rate limit" in message or "429" in message:
-                    wait = min(args.labeler_rate_limit_backoff_s * 1.5 ** (attempts - 1), args.labeler_rate_limit_backoff_cap_s)
+                    wait = min(
+                        args.labeler_rate_limit_backoff_s * 1.5 ** (attempts - 1), args.labeler_rate_limit_backoff_cap_s
+                    )
                     wait *= 1.0 + 0.25 * random.random()
                 else:
                     wait = min(args.labeler_error_backoff_s * attempts, args.labeler_error_backoff_cap_s)
@@ -1137,7 +1306,9 @@ class PolicyLabeler:
     """The policy model itself labels, greedily, in-process (no key needed). The labels are context
     for the advantages only: their tokens never enter a training batch."""
 
-    def __init__(self, generate_greedy: Callable[[list[list[int]], int], list[common.Completion]], tokenizer, args: Args):
+    def __init__(
+        self, generate_greedy: Callable[[list[list[int]], int], list[common.Completion]], tokenizer, args: Args
+    ):
         self.generate_greedy, self.tokenizer, self.args = generate_greedy, tokenizer, args
         self.model_name = f"self:{args.model}"
 
@@ -1145,8 +1316,10 @@ class PolicyLabeler:
         if not requests:
             return []
         start = time.perf_counter()
-        prompts = [self.tokenizer.apply_chat_template(r.messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-                   for r in requests]  # fmt: skip
+        prompts = [
+            self.tokenizer.apply_chat_template(r.messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+            for r in requests
+        ]
         completions = self.generate_greedy(prompts, self.args.labeler_max_new_tokens)
         latency = (time.perf_counter() - start) / len(requests)
         return [LabelReply(c.text, None, latency, 1) for c in completions]
@@ -1169,7 +1342,9 @@ def label_trajectories(
     flags: list[list[bool] | None] = [None] * len(trajectories)
     requests, request_index, skipped = [], [], 0
     for i, (traj, overall, orm) in enumerate(zip(trajectories, overall_scores, orm_scores)):
-        skip = (args.skip_type == "skip_small_adv" and abs(overall) < 1e-8) or (args.skip_type == "skip_all_neg" and orm <= 0)
+        skip = (args.skip_type == "skip_small_adv" and abs(overall) < 1e-8) or (
+            args.skip_type == "skip_all_neg" and orm <= 0
+        )
         if skip or not traj.steps:
             skipped += bool(traj.steps)
             continue
@@ -1190,9 +1365,17 @@ def label_trajectories(
             judged_steps += len(parsed)
             judged_good += sum(parsed)
         if log_file is not None:
-            record = {"update": update, "trajectory_id": request.trajectory_id, "messages": request.messages, "reply": reply.text,
-                      "flags": parsed, "latency_s": round(reply.latency_s, 4), "attempts": reply.attempts,
-                      "model": labeler.model_name, "error": reply.error}  # fmt: skip
+            record = {
+                "update": update,
+                "trajectory_id": request.trajectory_id,
+                "messages": request.messages,
+                "reply": reply.text,
+                "flags": parsed,
+                "latency_s": round(reply.latency_s, 4),
+                "attempts": reply.attempts,
+                "model": labeler.model_name,
+                "error": reply.error,
+            }
             with open(log_file, "a") as f:
                 f.write(json.dumps(record) + "\n")
     for i, traj in enumerate(trajectories):
@@ -1223,38 +1406,72 @@ def validate_args(args: Args) -> None:
     checks = [
         (args.num_updates >= 1, f"--num-updates must be >= 1, got {args.num_updates}"),
         (args.games_per_update >= 1, f"--games-per-update must be >= 1, got {args.games_per_update}"),
-        (args.trajectories_per_game >= 2, f"--trajectories-per-game must be >= 2 (GRPO compares within a group), got {args.trajectories_per_game}"),
+        (
+            args.trajectories_per_game >= 2,
+            f"--trajectories-per-game must be >= 2 (GRPO compares within a group), got {args.trajectories_per_game}",
+        ),
         (args.max_turns >= 1, f"--max-turns must be >= 1, got {args.max_turns}"),
         (args.max_turn_tokens >= 1, f"--max-turn-tokens must be >= 1, got {args.max_turn_tokens}"),
-        (args.max_trajectory_tokens > args.max_turn_tokens,
-         f"--max-trajectory-tokens ({args.max_trajectory_tokens}) must exceed --max-turn-tokens ({args.max_turn_tokens})"),
+        (
+            args.max_trajectory_tokens > args.max_turn_tokens,
+            f"--max-trajectory-tokens ({args.max_trajectory_tokens}) must exceed --max-turn-tokens ({args.max_turn_tokens})",
+        ),
         (0 < args.clip_eps < 1, f"--clip-eps must lie in (0, 1), got {args.clip_eps}"),
-        (args.clip_eps_high is None or args.clip_eps_high > 0, f"--clip-eps-high must be > 0, got {args.clip_eps_high}"),
+        (
+            args.clip_eps_high is None or args.clip_eps_high > 0,
+            f"--clip-eps-high must be > 0, got {args.clip_eps_high}",
+        ),
         (args.kl_beta >= 0, f"--kl-beta must be >= 0, got {args.kl_beta}"),
         (args.alpha >= 0, f"--alpha must be >= 0, got {args.alpha}"),
-        (args.alpha_schedule in ("constant", "cosine"), f"--alpha-schedule must be constant or cosine, got {args.alpha_schedule!r}"),
-        (0 <= args.alpha_min <= args.alpha or args.alpha_schedule == "constant",
-         f"--alpha-min must lie in [0, --alpha] for the cosine schedule, got {args.alpha_min}"),
+        (
+            args.alpha_schedule in ("constant", "cosine"),
+            f"--alpha-schedule must be constant or cosine, got {args.alpha_schedule!r}",
+        ),
+        (
+            0 <= args.alpha_min <= args.alpha or args.alpha_schedule == "constant",
+            f"--alpha-min must lie in [0, --alpha] for the cosine schedule, got {args.alpha_min}",
+        ),
         (args.fix_base > 0, f"--fix-base must be > 0, got {args.fix_base}"),
-        (args.orm_distribution in ORM_DISTRIBUTIONS, f"--orm-distribution must be one of {ORM_DISTRIBUTIONS}, got {args.orm_distribution!r}"),
-        (args.skip_type in ("skip_small_adv", "skip_all_neg", "none"),
-         f"--skip-type must be skip_small_adv, skip_all_neg or none, got {args.skip_type!r}"),
+        (
+            args.orm_distribution in ORM_DISTRIBUTIONS,
+            f"--orm-distribution must be one of {ORM_DISTRIBUTIONS}, got {args.orm_distribution!r}",
+        ),
+        (
+            args.skip_type in ("skip_small_adv", "skip_all_neg", "none"),
+            f"--skip-type must be skip_small_adv, skip_all_neg or none, got {args.skip_type!r}",
+        ),
         (args.prm_steps >= 0, f"--prm-steps must be >= 0, got {args.prm_steps}"),
-        (args.labeler_backend in ("auto", "api", "self"), f"--labeler-backend must be auto, api or self, got {args.labeler_backend!r}"),
-        (args.labeler_backend != "api" or bool(args.labeler_base_url), "--labeler-backend api needs --labeler-base-url"),
-        (not args.labeler_base_url or args.labeler_base_url.startswith(("http://", "https://")),
-         f"--labeler-base-url must start with http:// or https://, got {args.labeler_base_url!r}"),
+        (
+            args.labeler_backend in ("auto", "api", "self"),
+            f"--labeler-backend must be auto, api or self, got {args.labeler_backend!r}",
+        ),
+        (
+            args.labeler_backend != "api" or bool(args.labeler_base_url),
+            "--labeler-backend api needs --labeler-base-url",
+        ),
+        (
+            not args.labeler_base_url or args.labeler_base_url.startswith(("http://", "https://")),
+            f"--labeler-base-url must start with http:// or https://, got {args.labeler_base_url!r}",
+        ),
         (bool(args.labeler_model), "--labeler-model must not be empty"),
         (bool(args.labeler_api_key_env), "--labeler-api-key-env must name an environment variable"),
         (args.labeler_concurrency >= 1, f"--labeler-concurrency must be >= 1, got {args.labeler_concurrency}"),
         (args.labeler_timeout_s > 0, f"--labeler-timeout-s must be > 0, got {args.labeler_timeout_s}"),
         (args.labeler_deadline_s > 0, f"--labeler-deadline-s must be > 0, got {args.labeler_deadline_s}"),
         (args.labeler_max_attempts >= 1, f"--labeler-max-attempts must be >= 1, got {args.labeler_max_attempts}"),
-        (min(args.labeler_rate_limit_backoff_s, args.labeler_rate_limit_backoff_cap_s, args.labeler_error_backoff_s,
-             args.labeler_error_backoff_cap_s) >= 0, "--labeler-*-backoff-* values must be >= 0"),
+        (
+            min(
+                args.labeler_rate_limit_backoff_s,
+                args.labeler_rate_limit_backoff_cap_s,
+                args.labeler_error_backoff_s,
+                args.labeler_error_backoff_cap_s,
+            )
+            >= 0,
+            "--labeler-*-backoff-* values must be >= 0",
+        ),
         (args.labeler_max_step_chars >= 1, f"--labeler-max-step-chars must be >= 1, got {args.labeler_max_step_chars}"),
         (args.labeler_max_new_tokens >= 1, f"--labeler-max-new-tokens must be >= 1, got {args.labeler_max_new_tokens}"),
-    ]  # fmt: skip
+    ]
     for ok, message in checks:
         if not ok:
             raise ValueError(message)
@@ -1304,18 +1521,37 @@ def make_runtime(args: Args, accelerator) -> Runtime:
     if needs_labels(args) and labeler_backend(args) == "api":
         rank, processes = accelerator.process_index, accelerator.num_processes
         if args.labeler_concurrency < processes:
-            raise ValueError(f"--labeler-concurrency ({args.labeler_concurrency}) must be >= the number of processes "
-                             f"({processes}): it bounds all of them together")  # fmt: skip
-        api_labeler = ApiLabeler(args, args.labeler_concurrency // processes + (rank < args.labeler_concurrency % processes))
+            raise ValueError(
+                f"--labeler-concurrency ({args.labeler_concurrency}) must be >= the number of processes "
+                f"({processes}): it bounds all of them together"
+            )
+        api_labeler = ApiLabeler(
+            args, args.labeler_concurrency // processes + (rank < args.labeler_concurrency % processes)
+        )
     label_log = None
     if args.labeler_log_dir:
-        label_log = require_writable_dir(args.labeler_log_dir, "--labeler-log-dir") / f"labels_rank{accelerator.process_index}.jsonl"
+        label_log = (
+            require_writable_dir(args.labeler_log_dir, "--labeler-log-dir")
+            / f"labels_rank{accelerator.process_index}.jsonl"
+        )
     data_root, games = training_games(args, accelerator)
     tokenizer, model, optimizer = load_model(args, accelerator)
     greedy_fn = make_sampler(model, tokenizer, accelerator, args, greedy=True)
     labeler = (api_labeler or PolicyLabeler(greedy_fn, tokenizer, args)) if needs_labels(args) else None
-    return Runtime(args, accelerator, tokenizer, model, optimizer, common.ChatProtocol(tokenizer),
-                   make_sampler(model, tokenizer, accelerator, args), greedy_fn, labeler, label_log, data_root, games)  # fmt: skip
+    return Runtime(
+        args,
+        accelerator,
+        tokenizer,
+        model,
+        optimizer,
+        common.ChatProtocol(tokenizer),
+        make_sampler(model, tokenizer, accelerator, args),
+        greedy_fn,
+        labeler,
+        label_log,
+        data_root,
+        games,
+    )
 
 
 def rollout_metrics(trajectories: Sequence[common.Trajectory], groups: Sequence[Sequence[common.Trajectory]]) -> dict:
@@ -1337,9 +1573,17 @@ def adca_update(rt: Runtime, update: int) -> tuple[dict, list[dict]]:
     args, t0 = rt.args, time.time()
     # ---- step 1: rollout. G games x N full episodes; ORM score = 1 if won else 0
     starts = [rt.fresh_state() for _ in range(args.games_per_update)]
-    groups = common.rollout(starts, args.trajectories_per_game, rt.sample_fn, rt.protocol, horizon=args.max_turns,
-                            max_episode_steps=args.max_turns, max_turn_tokens=args.max_turn_tokens,
-                            max_trajectory_tokens=args.max_trajectory_tokens, on_turn=rt.on_turn)  # fmt: skip
+    groups = common.rollout(
+        starts,
+        args.trajectories_per_game,
+        rt.sample_fn,
+        rt.protocol,
+        horizon=args.max_turns,
+        max_episode_steps=args.max_turns,
+        max_turn_tokens=args.max_turn_tokens,
+        max_trajectory_tokens=args.max_trajectory_tokens,
+        on_turn=rt.on_turn,
+    )
     trajectories = [traj for group in groups for traj in group]
     group_ids = [traj.group for traj in trajectories]
     orm_scores = [1.0 if traj.won else 0.0 for traj in trajectories]
@@ -1353,22 +1597,37 @@ def adca_update(rt: Runtime, update: int) -> tuple[dict, list[dict]]:
     labelling = rt.labeler is not None and alpha > 0 and update <= args.prm_steps
     metrics = {"prm/alpha": alpha if labelling else 0.0, "prm/labelling": float(labelling)}
     if labelling:
-        step_flags, label_metrics = label_trajectories(trajectories, outcome_advantages, orm_scores, rt.labeler, args, update,
-                                                       rt.accelerator.process_index, rt.label_log)  # fmt: skip
+        step_flags, label_metrics = label_trajectories(
+            trajectories,
+            outcome_advantages,
+            orm_scores,
+            rt.labeler,
+            args,
+            update,
+            rt.accelerator.process_index,
+            rt.label_log,
+        )
         metrics.update(label_metrics)
     else:  # uniform flags as for a skipped trajectory; with alpha 0 below they do not count
         step_flags = [[score > 0] * len(traj.steps) for traj, score in zip(trajectories, outcome_advantages)]
     t_label = time.time()
 
     # ---- step 4: decouple fusion -> suffix sums over steps -> token advantages (alpha 0: plain GRPO)
-    decouple = dict(fix_base=args.fix_base, alpha=alpha if labelling else 0.0, orm_distribution=args.orm_distribution,
-                    equal_trajectory_weight=args.equal_trajectory_weight, length_normalization=args.length_normalization)  # fmt: skip
+    decouple = dict(
+        fix_base=args.fix_base,
+        alpha=alpha if labelling else 0.0,
+        orm_distribution=args.orm_distribution,
+        equal_trajectory_weight=args.equal_trajectory_weight,
+        length_normalization=args.length_normalization,
+    )
     step_advantages = suffix_sum(decouple_step_rewards(orm_scores, step_flags, group_ids, **decouple))
     if labelling:
         metrics.update(decouple_health_metrics(orm_scores, step_flags, group_ids, **decouple))
     sequences = [traj.sequence() for traj in trajectories]
     width = max((len(tokens) for tokens, _, _ in sequences), default=0)
-    step_ids = torch.tensor([ids + [-1] * (width - len(ids)) for _, _, ids in sequences], dtype=torch.long).view(len(sequences), width)
+    step_ids = torch.tensor([ids + [-1] * (width - len(ids)) for _, _, ids in sequences], dtype=torch.long).view(
+        len(sequences), width
+    )
     token_advantages = broadcast_to_tokens(step_advantages, step_ids).tolist()
     datums = []
     for (tokens, old_logprobs, ids), advantages in zip(sequences, token_advantages):
@@ -1378,8 +1637,14 @@ def adca_update(rt: Runtime, update: int) -> tuple[dict, list[dict]]:
         # KL to the base model as per-token shaping of the advantage: E[grad log p * (log p - log p_ref)] is the KL's gradient
         policy = rt.accelerator.unwrap_model(rt.model)
         with policy.disable_adapter():
-            reference = sequence_logprobs(rt.model, rt.accelerator, [d.tokens for d in datums], args.temperature,
-                                          rt.tokenizer.pad_token_id, args.micro_batch_tokens)  # fmt: skip
+            reference = sequence_logprobs(
+                rt.model,
+                rt.accelerator,
+                [d.tokens for d in datums],
+                args.temperature,
+                rt.tokenizer.pad_token_id,
+                args.micro_batch_tokens,
+            )
         log_ratios = []
         for datum, ref in zip(datums, reference):
             for t, trained in enumerate(datum.mask):
@@ -1391,29 +1656,56 @@ def adca_update(rt: Runtime, update: int) -> tuple[dict, list[dict]]:
 
     # ---- step 5: one PPO-clip step, token mean over the whole update
     clip = (args.clip_eps, args.clip_eps if args.clip_eps_high is None else args.clip_eps_high)
-    metrics.update(train_step(rt.model, rt.optimizer, rt.accelerator, datums, temperature=args.temperature,
-                              pad_id=rt.tokenizer.pad_token_id, micro_batch_tokens=args.micro_batch_tokens,
-                              max_grad_norm=args.max_grad_norm, clip=clip))  # fmt: skip
+    metrics.update(
+        train_step(
+            rt.model,
+            rt.optimizer,
+            rt.accelerator,
+            datums,
+            temperature=args.temperature,
+            pad_id=rt.tokenizer.pad_token_id,
+            micro_batch_tokens=args.micro_batch_tokens,
+            max_grad_norm=args.max_grad_norm,
+            clip=clip,
+        )
+    )
     t_update = time.time()
 
     metrics.update(rollout_metrics(trajectories, groups))
     generated = [a for advantages in step_advantages for a in advantages]
     metrics["adv/step_abs_mean"] = math.fsum(abs(a) for a in generated) / max(1, len(generated))
-    metrics.update({"time/rollout": t_rollout - t0, "time/label": t_label - t_rollout, "time/update": t_update - t_label})
+    metrics.update(
+        {"time/rollout": t_rollout - t0, "time/label": t_label - t_rollout, "time/update": t_update - t_label}
+    )
     samples = [
-        {"game": traj.start.game_file, "task": traj.start.task, "won": traj.won, "stop_reason": traj.stop_reason,
-         "outcome_advantage": outcome_advantages[i], "step_flags": step_flags[i], "step_advantages": step_advantages[i],
-         "messages": traj.messages[len(traj.start.messages) :]}
+        {
+            "game": traj.start.game_file,
+            "task": traj.start.task,
+            "won": traj.won,
+            "stop_reason": traj.stop_reason,
+            "outcome_advantage": outcome_advantages[i],
+            "step_flags": step_flags[i],
+            "step_advantages": step_advantages[i],
+            "messages": traj.messages[len(traj.start.messages) :],
+        }
         for i, traj in enumerate(trajectories[:2])
-    ]  # fmt: skip
+    ]
     return metrics, samples
 
 
 # =============================================================================================
 # Main: set-up, resume, updates, checkpoints, evaluation
 # =============================================================================================
-SUM_KEYS = ("prm/label_requests", "prm/label_failures", "prm/parse_failures", "prm/skipped", "rollout/generated_tokens",
-            "rollout/groups_all_won", "rollout/groups_all_lost", "rollout/restore_failures")  # fmt: skip
+SUM_KEYS = (
+    "prm/label_requests",
+    "prm/label_failures",
+    "prm/parse_failures",
+    "prm/skipped",
+    "rollout/generated_tokens",
+    "rollout/groups_all_won",
+    "rollout/groups_all_lost",
+    "rollout/restore_failures",
+)
 POSTFIX_KEYS = ("rollout/success_rate", "prm/good_rate", "prm/label_failures", "train/loss")
 
 
@@ -1431,11 +1723,18 @@ def main(args: Args) -> Path:
 def _run(args: Args, accelerator, checkpoint: Path | None, trainer_state: dict | None) -> Path:
     seed_everything(args.seed + accelerator.process_index)
     rt = make_runtime(args, accelerator)
-    eval_kwargs = dict(data_root=rt.data_root, task_types=args.task_types, eval_games=args.eval_games,
-                       max_episode_steps=args.max_turns, max_turn_tokens=args.max_turn_tokens,
-                       max_trajectory_tokens=args.max_trajectory_tokens)  # fmt: skip
+    eval_kwargs = dict(
+        data_root=rt.data_root,
+        task_types=args.task_types,
+        eval_games=args.eval_games,
+        max_episode_steps=args.max_turns,
+        max_turn_tokens=args.max_turn_tokens,
+        max_trajectory_tokens=args.max_trajectory_tokens,
+    )
     if args.eval_only:
-        return evaluate_checkpoint(args, checkpoint, trainer_state, rt.model, rt.greedy_fn, rt.protocol, accelerator, eval_kwargs)
+        return evaluate_checkpoint(
+            args, checkpoint, trainer_state, rt.model, rt.greedy_fn, rt.protocol, accelerator, eval_kwargs
+        )
 
     done = trainer_state["update"] if checkpoint is not None else 0
     run_dir = checkpoint.parent.parent if checkpoint is not None else new_run_dir(args)
@@ -1445,7 +1744,9 @@ def _run(args: Args, accelerator, checkpoint: Path | None, trainer_state: dict |
         rt.game_cursor = trainer_state["rank_states"][accelerator.process_index]["game_cursor"]
         if rt.label_log is not None:
             drop_rows_after(rt.label_log, done)
-        load_checkpoint(checkpoint, rt.model, rt.optimizer, accelerator)  # last: the RNG states as they were at the save
+        load_checkpoint(
+            checkpoint, rt.model, rt.optimizer, accelerator
+        )  # last: the RNG states as they were at the save
         if accelerator.is_main_process:
             print(f"resumed {checkpoint} (update {done} of {args.num_updates})", file=sys.stderr)
 
@@ -1458,8 +1759,16 @@ def _run(args: Args, accelerator, checkpoint: Path | None, trainer_state: dict |
             metrics.update(evaluate(rt.greedy_fn, rt.protocol, accelerator, **eval_kwargs, on_turn=logger.on_turn))
         logger.log(update, {"labeler": labeler_name, **metrics}, samples)
         if last or (args.save_every and update % args.save_every == 0):
-            save_checkpoint(run_dir, update, rt.model, rt.optimizer, accelerator, ALGORITHM, {"labeler": labeler_name},
-                            {"game_cursor": rt.game_cursor})  # fmt: skip
+            save_checkpoint(
+                run_dir,
+                update,
+                rt.model,
+                rt.optimizer,
+                accelerator,
+                ALGORITHM,
+                {"labeler": labeler_name},
+                {"game_cursor": rt.game_cursor},
+            )
     logger.close()
     return run_dir
 

@@ -125,10 +125,16 @@ STATIC_RECEPS = set(alfred_constants.VAL_RECEPTACLE_OBJECTS) - alfred_constants.
 PICKUPABLE = {o for objs in alfred_constants.VAL_RECEPTACLE_OBJECTS.values() for o in objs if "Sliced" not in o}
 LAMPS = ("DeskLamp", "FloorLamp")
 LAMP_HOSTS = ("Desk", "SideTable", "Dresser", "Shelf", "CoffeeTable", "DiningTable", "TVStand")
-TOOL_RECEP = {"pick_clean_then_place_in_recep": "SinkBasin", "pick_heat_then_place_in_recep": "Microwave",
-              "pick_cool_then_place_in_recep": "Fridge"}
-TASK_PROP = {"pick_clean_then_place_in_recep": "Cleanable", "pick_heat_then_place_in_recep": "Heatable",
-             "pick_cool_then_place_in_recep": "Coolable"}
+TOOL_RECEP = {
+    "pick_clean_then_place_in_recep": "SinkBasin",
+    "pick_heat_then_place_in_recep": "Microwave",
+    "pick_cool_then_place_in_recep": "Fridge",
+}
+TASK_PROP = {
+    "pick_clean_then_place_in_recep": "Cleanable",
+    "pick_heat_then_place_in_recep": "Heatable",
+    "pick_cool_then_place_in_recep": "Coolable",
+}
 # Receptacle types the domain's actions name: they must always be declared.
 ALWAYS_RTYPES = ("SinkBasin", "Microwave", "Fridge")
 ALWAYS_OTYPES = ("Knife", "ButterKnife")
@@ -142,7 +148,12 @@ def _mangle(name):
 
 
 def _loc(x, z, rot, horizon):
-    return "loc|%d|%d|%d|%d" % (round(x / alfred_constants.AGENT_STEP_SIZE), round(z / alfred_constants.AGENT_STEP_SIZE), rot // 90, horizon)
+    return "loc|%d|%d|%d|%d" % (
+        round(x / alfred_constants.AGENT_STEP_SIZE),
+        round(z / alfred_constants.AGENT_STEP_SIZE),
+        rot // 90,
+        horizon,
+    )
 
 
 def _recep_type(rid):
@@ -159,8 +170,7 @@ def load_scene(num):
     with open(path % (num, "openable.json")) as f:
         poses = json.load(f)
     points = [tuple(p) for p in np.load(path % (num, "layout.npy")).tolist()]
-    receps = [(rid, _recep_type(rid), _loc(*poses[rid])) for rid in sorted(poses)
-              if _recep_type(rid) in STATIC_RECEPS]
+    receps = [(rid, _recep_type(rid), _loc(*poses[rid])) for rid in sorted(poses) if _recep_type(rid) in STATIC_RECEPS]
     rng = random.Random(num)  # synthetic receptacles are a fixed part of the scene
     for rtype in sorted(classes & STATIC_RECEPS - {t for _, t, _ in receps}):
         for x, z in rng.sample(points, SYNTH_RECEPS.get(rtype, 1)):
@@ -187,16 +197,24 @@ def sample_task(rng, task_type, scene_num):
             return None
         return rng.choice(objs), None, rng.choice(lamps)
     # The object must start somewhere other than a receptacle of the goal's type.
-    combos = [(o, r) for o in objs for r in rtypes
-              if _holds(r, o) and r != TOOL_RECEP.get(task_type) and any(_holds(t, o) for t in rtypes if t != r)]
+    combos = [
+        (o, r)
+        for o in objs
+        for r in rtypes
+        if _holds(r, o) and r != TOOL_RECEP.get(task_type) and any(_holds(t, o) for t in rtypes if t != r)
+    ]
     return (*rng.choice(combos), None) if combos else None
 
 
 def _obj_id(rng, cls, rid, taken):
     _, x, y, z = rid.split("|")[:4]
     while True:
-        oid = "%s|%+06.2f|%+06.2f|%+06.2f" % (cls, float(x) + rng.uniform(-.3, .3), float(y) + rng.uniform(0, .2),
-                                              float(z) + rng.uniform(-.3, .3))
+        oid = "%s|%+06.2f|%+06.2f|%+06.2f" % (
+            cls,
+            float(x) + rng.uniform(-0.3, 0.3),
+            float(y) + rng.uniform(0, 0.2),
+            float(z) + rng.uniform(-0.3, 0.3),
+        )
         if oid not in taken:
             taken.add(oid)
             return oid
@@ -214,17 +232,21 @@ def build_problem(rng, task_type, scene_num, obj, parent, toggle, max_receptacle
     keep = [next(r for r in shuffled if r[1] == t) for t in dict.fromkeys(needed)]
     keep.append(next(r for r in shuffled if _holds(r[1], obj) and r[1] != parent))  # a start for the object
     keep = list(dict.fromkeys(keep))
-    keep = sorted(keep + [r for r in shuffled if r not in keep][:max(0, max_receptacles - len(keep))])
+    keep = sorted(keep + [r for r in shuffled if r not in keep][: max(0, max_receptacles - len(keep))])
 
     # Place objects: targets never start in a goal-type receptacle; distractors anywhere they fit.
     taken, placed = set(), []  # placed: (object id, class, receptacle id)
     n_target = rng.randint(2, 3) if task_type == "pick_two_obj_and_place" else rng.randint(1, 2)
     others = [o for o in objs if o != obj]
-    classes = [obj] * n_target + [o for o in rng.sample(others, min(len(others), len(keep)))
-                                  for _ in range(rng.randint(1, 2))]
+    classes = [obj] * n_target + [
+        o for o in rng.sample(others, min(len(others), len(keep))) for _ in range(rng.randint(1, 2))
+    ]
     for cls in classes + lamps:
-        hosts = [r for r, t, _ in keep if (t in LAMP_HOSTS if cls in LAMPS else _holds(t, cls))
-                 and not (cls == obj and t == parent)]
+        hosts = [
+            r
+            for r, t, _ in keep
+            if (t in LAMP_HOSTS if cls in LAMPS else _holds(t, cls)) and not (cls == obj and t == parent)
+        ]
         if hosts:
             rid = rng.choice(hosts)
             placed.append((_obj_id(rng, cls, rid, taken), cls, rid))
@@ -232,8 +254,10 @@ def build_problem(rng, task_type, scene_num, obj, parent, toggle, max_receptacle
     while start is None or start in {l for _, _, l in keep}:  # start where no receptacle is: "middle of a room"
         start = _loc(*rng.choice(points), 90 * rng.randrange(4), 30)
     goal = goal_library.gdict[task_type]["pddl"].format(obj=obj, recep=parent, toggle=toggle).replace("#", "-")
-    return (_problem_text(name, keep, sorted(placed), start, goal),
-            _problem_text(name, keep, sorted(p for p in placed if p[1] in (obj, toggle)), start, goal))
+    return (
+        _problem_text(name, keep, sorted(placed), start, goal),
+        _problem_text(name, keep, sorted(p for p in placed if p[1] in (obj, toggle)), start, goal),
+    )
 
 
 def _problem_text(name, keep, placed, start, goal):
@@ -241,26 +265,40 @@ def _problem_text(name, keep, placed, start, goal):
     loc_of = {rid: loc for rid, _, loc in keep}
     otypes = sorted({c for _, c, _ in placed} | set(ALWAYS_OTYPES))
     rtypes = sorted({t for _, t, _ in keep} | set(ALWAYS_RTYPES))
-    objects = (["agent1 - agent"] + ["%s - object" % m(o) for o, _, _ in placed]
-               + ["%s - receptacle" % m(r) for r, _, _ in keep]
-               + ["%s - location" % m(l) for l in sorted(set(loc_of.values()) | {start})]
-               + ["%sType - otype" % t for t in otypes] + ["%sType - rtype" % t for t in rtypes])
+    objects = (
+        ["agent1 - agent"]
+        + ["%s - object" % m(o) for o, _, _ in placed]
+        + ["%s - receptacle" % m(r) for r, _, _ in keep]
+        + ["%s - location" % m(l) for l in sorted(set(loc_of.values()) | {start})]
+        + ["%sType - otype" % t for t in otypes]
+        + ["%sType - rtype" % t for t in rtypes]
+    )
     init = ["(atLocation agent1 %s)" % m(start)]
     for rid, rtype, loc in keep:
         init += ["(receptacleType %s %sType)" % (m(rid), rtype), "(receptacleAtLocation %s %s)" % (m(rid), m(loc))]
         if rtype in alfred_constants.OPENABLE_CLASS_SET:
             init.append("(openable %s)" % m(rid))
     for oid, cls, rid in placed:
-        init += ["(objectType %s %sType)" % (m(oid), cls), "(inReceptacle %s %s)" % (m(oid), m(rid)),
-                 "(objectAtLocation %s %s)" % (m(oid), m(loc_of[rid])),
-                 "(%s %s)" % ("toggleable" if cls in LAMPS else "pickupable", m(oid))]
-        init += ["(%s %s)" % (prop.lower(), m(oid)) for prop in ("Cleanable", "Heatable", "Coolable", "Sliceable")
-                 if cls in alfred_constants.VAL_ACTION_OBJECTS[prop]]
+        init += [
+            "(objectType %s %sType)" % (m(oid), cls),
+            "(inReceptacle %s %s)" % (m(oid), m(rid)),
+            "(objectAtLocation %s %s)" % (m(oid), m(loc_of[rid])),
+            "(%s %s)" % ("toggleable" if cls in LAMPS else "pickupable", m(oid)),
+        ]
+        init += [
+            "(%s %s)" % (prop.lower(), m(oid))
+            for prop in ("Cleanable", "Heatable", "Coolable", "Sliceable")
+            if cls in alfred_constants.VAL_ACTION_OBJECTS[prop]
+        ]
         if cls in alfred_constants.MOVABLE_RECEPTACLES_SET:
             init.append("(isReceptacleObject %s)" % m(oid))
     init += ["(canContain %sType %sType)" % (r, o) for r in rtypes for o in otypes if _holds(r, o)]
     return "(define (problem plan_%s)\n(:domain alfred)\n(:objects\n%s\n)\n(:init\n%s\n)\n%s" % (
-        name, "\n".join(objects), "\n".join(init), goal.strip())
+        name,
+        "\n".join(objects),
+        "\n".join(init),
+        goal.strip(),
+    )
 
 
 def plan_walkthrough(planner, game):
@@ -281,8 +319,14 @@ def replay_games(game_files, max_steps=200) -> dict[str, bool]:
     returns {game_file: won}. Only for games this module generated: stock TextWorld eval()s grammar code.
     One env for all: each env loads its own copy of libdownward.so."""
     infos = textworld.EnvInfos(won=True, admissible_commands=True, extras=["gamefile"])
-    env_id = textworld.gym.register_games(list(game_files), infos, batch_size=1, asynchronous=False,
-                                          max_episode_steps=max_steps, wrappers=[AlfredDemangler, AlfredInfos])
+    env_id = textworld.gym.register_games(
+        list(game_files),
+        infos,
+        batch_size=1,
+        asynchronous=False,
+        max_episode_steps=max_steps,
+        wrappers=[AlfredDemangler, AlfredInfos],
+    )
     argv, env, results = sys.argv, textworld.gym.make(env_id), {}
     try:
         for _ in game_files:  # the env's first cycle visits each game once, in a shuffled order
@@ -320,8 +364,12 @@ def make_games(out_dir, n: int, seed: int = 0, max_receptacles: int = 15, log=pr
     def new_game(i):  # sample until the planner solves one; write it; return its game file
         task_type = TASK_TYPES[i % len(TASK_TYPES)]
         split = "train" if i < n - 2 * n_valid else "valid_seen" if i < n - n_valid else "valid_unseen"
-        pool = [s for s in scenes if (s in UNSEEN_SCENES) == (split == "valid_unseen")
-                and ROOM_OF_SCENE[s] in alfred_constants.GOALS_VALID[task_type]]
+        pool = [
+            s
+            for s in scenes
+            if (s in UNSEEN_SCENES) == (split == "valid_unseen")
+            and ROOM_OF_SCENE[s] in alfred_constants.GOALS_VALID[task_type]
+        ]
         t0 = time.time()
         for attempt in range(100):
             scene = rng.choice(pool)
@@ -331,26 +379,43 @@ def make_games(out_dir, n: int, seed: int = 0, max_receptacles: int = 15, log=pr
             obj, parent, toggle = task
             trial = "trial_T%d_%05d_%02d" % (seed, i, attempt)
             task_desc = rng.choice(goal_library.gdict[task_type]["templates"]).format(
-                obj=obj.lower(), recep=(parent or "").lower(), toggle=(toggle or "").lower())
-            problem, planning_problem = build_problem(rng, task_type, scene, obj, parent, toggle,
-                                                      max_receptacles, trial)
-            game = {"pddl_domain": domain, "grammar": grammar.replace("UNKNOWN GOAL", task_desc),
-                    "pddl_problem": planning_problem}
+                obj=obj.lower(), recep=(parent or "").lower(), toggle=(toggle or "").lower()
+            )
+            problem, planning_problem = build_problem(
+                rng, task_type, scene, obj, parent, toggle, max_receptacles, trial
+            )
+            game = {
+                "pddl_domain": domain,
+                "grammar": grammar.replace("UNKNOWN GOAL", task_desc),
+                "pddl_problem": planning_problem,
+            }
             walkthrough = plan_walkthrough(planner, game)
             if not walkthrough:
                 log("  unsolvable: %s in FloorPlan%d" % (task, scene))
                 continue
-            game_dir = os.path.join(out_dir, "json_2.1.1", split, "%s-%s-None-%s-%d" % (
-                task_type, obj, parent or toggle, scene), trial)
+            game_dir = os.path.join(
+                out_dir, "json_2.1.1", split, "%s-%s-None-%s-%d" % (task_type, obj, parent or toggle, scene), trial
+            )
             os.makedirs(game_dir, exist_ok=True)
             game.update(pddl_problem=problem, solvable=True, walkthrough=walkthrough)
             _write_json(os.path.join(game_dir, "game.tw-pddl"), game)
-            _write_json(os.path.join(game_dir, "traj_data.json"), {
-                "task_id": trial, "task_type": task_type, "split": split,
-                "pddl_params": {"object_target": obj, "parent_target": parent or "", "toggle_target": toggle or "",
-                                "mrecep_target": "", "object_sliced": False},
-                "scene": {"floor_plan": "FloorPlan%d" % scene, "scene_num": scene},
-                "turk_annotations": {"anns": [{"task_desc": task_desc}]}})  # templated, not human-written
+            _write_json(
+                os.path.join(game_dir, "traj_data.json"),
+                {
+                    "task_id": trial,
+                    "task_type": task_type,
+                    "split": split,
+                    "pddl_params": {
+                        "object_target": obj,
+                        "parent_target": parent or "",
+                        "toggle_target": toggle or "",
+                        "mrecep_target": "",
+                        "object_sliced": False,
+                    },
+                    "scene": {"floor_plan": "FloorPlan%d" % scene, "scene_num": scene},
+                    "turk_annotations": {"anns": [{"task_desc": task_desc}]},
+                },
+            )  # templated, not human-written
             log("game %d/%d: %s (%d steps, %.2fs)" % (i + 1, n, game_dir, len(walkthrough), time.time() - t0))
             return os.path.join(game_dir, "game.tw-pddl")
         raise RuntimeError("could not generate a %s game" % task_type)
@@ -376,7 +441,9 @@ def make_games(out_dir, n: int, seed: int = 0, max_receptacles: int = 15, log=pr
 DEFAULT_GAMES, DEFAULT_GAMES_SEED = 240, 0
 
 
-def default_data_root(n: int = DEFAULT_GAMES, seed: int = DEFAULT_GAMES_SEED, cache_dir: str | Path = DEFAULT_CACHE_DIR) -> Path:
+def default_data_root(
+    n: int = DEFAULT_GAMES, seed: int = DEFAULT_GAMES_SEED, cache_dir: str | Path = DEFAULT_CACHE_DIR
+) -> Path:
     """The generated offline game set: made once into the cache (a few minutes), reused after."""
     root = Path(cache_dir) / f"offline-games-n{n}-seed{seed}"
     if not (root / "json_2.1.1").is_dir():
@@ -471,7 +538,9 @@ class _Game:
         self.walkthrough = list(data.get("walkthrough") or [])
         self.logic = pddl_logic.GameLogic(domain=data["pddl_domain"], grammar=data["grammar"])
         self.rules = dict(self.logic.grammar._rules)
-        self.conditions = {id(rule): _parse_query(rule.condition) for rules in self.rules.values() for rule in rules if rule.condition}
+        self.conditions = {
+            id(rule): _parse_query(rule.condition) for rules in self.rules.values() for rule in rules if rule.condition
+        }
         self.expressions: dict[str, Callable] = {}
         for rules in self.rules.values():
             for rule in rules:
@@ -512,13 +581,19 @@ class _Game:
             if isinstance(symbol, TerminalSymbol):
                 out.append(str(symbol.symbol))
             elif isinstance(symbol, NonterminalSymbol):
-                stack.extend((s, mapping, variables) for s in reversed(self._choose_rule(symbol.symbol, state, mapping)))
+                stack.extend(
+                    (s, mapping, variables) for s in reversed(self._choose_rule(symbol.symbol, state, mapping))
+                )
             elif isinstance(symbol, ConditionalSymbol):
-                stack.extend((symbol.expression, m, v) for m, v in reversed(self._query(symbol, state, mapping, variables)))
+                stack.extend(
+                    (symbol.expression, m, v) for m, v in reversed(self._query(symbol, state, mapping, variables))
+                )
             elif isinstance(symbol, EvalSymbol):
                 out.append(str(self._evaluate(symbol.expression, variables)))
             elif isinstance(symbol, ListSymbol):
-                items = [(symbol.symbol.expression, m, v) for m, v in self._query(symbol.symbol, state, mapping, variables)]
+                items = [
+                    (symbol.symbol.expression, m, v) for m, v in self._query(symbol.symbol, state, mapping, variables)
+                ]
                 if not items:
                     items = [(NonterminalSymbol("list_empty"), mapping, variables)]
                 elif len(items) > 1:
@@ -567,7 +642,6 @@ def load_game(game_file: str | Path) -> _Game:
     """Parsed and translated game, cached per process (keyed by path and modification time)."""
     game_file = str(game_file)
     return _load_game(game_file, os.stat(game_file).st_mtime_ns)
-
 
 
 _FREE_PLANNER_LIBRARIES: list = []
@@ -639,7 +713,10 @@ class AlfredEnv:
         for atom in game.task.init:
             if isinstance(atom, fast_downward.translate.pddl.conditions.Atom) and atom.predicate != "=":
                 state.add_fact(proposition(atom.predicate, atom.args))
-            elif isinstance(atom, fast_downward.translate.pddl.f_expression.Assign) and atom.fluent.symbol != "total-cost":
+            elif (
+                isinstance(atom, fast_downward.translate.pddl.f_expression.Assign)
+                and atom.fluent.symbol != "total-cost"
+            ):
                 if not str(atom.expression.value).isdigit():  # distances are not facts
                     state.add_fact(proposition(str(atom.expression.value), atom.fluent.args))
         atoms = (pddl_logic.Atom * self._lib.get_state_size())()
@@ -785,8 +862,10 @@ class EnvGroup:
             except ReplayMismatchError:
                 raise
             except Exception as error:  # the engine broke: rebuild it, then retry once
-                print(f"[EnvGroup] {self.game_file}: engine failed ({error!r}); rebuilding from action histories",
-                      file=sys.stderr)  # fmt: skip
+                print(
+                    f"[EnvGroup] {self.game_file}: engine failed ({error!r}); rebuilding from action histories",
+                    file=sys.stderr,
+                )
                 self._rebuild()
                 self._step_branch(branch, command)
         return self.turns
@@ -879,7 +958,9 @@ def parse_action(text: str) -> str | None:
     if inner.startswith("{"):
         try:
             call = json.loads(inner, strict=False)  # models emit raw tabs inside strings
-            arguments = call.get("arguments") if isinstance(call, dict) and call.get("name") == "alfworld_step" else None
+            arguments = (
+                call.get("arguments") if isinstance(call, dict) and call.get("name") == "alfworld_step" else None
+            )
             if isinstance(arguments, str):
                 arguments = json.loads(arguments, strict=False)
             if isinstance(arguments, dict) and isinstance(arguments.get("action"), str):
@@ -925,9 +1006,13 @@ class ChatProtocol:
         head = [{"role": "system", "content": system_prompt}, {"role": "user", "content": "U"}]
         p0 = self.render(head, add_generation_prompt=True)
         p1 = self.render(head + [{"role": "assistant", "content": self._ASSISTANT}])
-        p2 = self.render(head + [{"role": "assistant", "content": self._ASSISTANT}, {"role": "tool", "content": self._TOOL}], True)
+        p2 = self.render(
+            head + [{"role": "assistant", "content": self._ASSISTANT}, {"role": "tool", "content": self._TOOL}], True
+        )
         if not (p1.startswith(p0) and p1[len(p0) :].startswith(self._ASSISTANT) and p2.startswith(p1)):
-            raise TemplateNotAppendOnlyError("the chat template does not render the assistant turn as an append-only suffix")
+            raise TemplateNotAppendOnlyError(
+                "the chat template does not render the assistant turn as an append-only suffix"
+            )
         self.closing = p1[len(p0) + len(self._ASSISTANT) :]
         delta = p2[len(p1) :]
         if delta.count(self._TOOL) != 1:
@@ -1051,7 +1136,9 @@ class Trajectory:
     def saved_state(self) -> SavedState:
         """Where this branch stands now, as plain data (the next turn's prompt included)."""
         base = self.start.round_index
-        prefix_step_ids = self.start.prefix_step_ids + [k + base if k >= 0 else -1 for k in self.step_ids[len(self.start.prefix_tokens) :]]
+        prefix_step_ids = self.start.prefix_step_ids + [
+            k + base if k >= 0 else -1 for k in self.step_ids[len(self.start.prefix_tokens) :]
+        ]
         prefix_logprobs = self.start.prefix_logprobs + self.logprobs[len(self.start.prefix_tokens) :]
         return SavedState(
             game_file=self.start.game_file,
@@ -1074,10 +1161,18 @@ def fresh_state(game_file: str | Path, protocol: ChatProtocol, seed: int = 0) ->
         turn = group.turns[0]
     tokens, messages = protocol.initial(turn.observation, turn.admissible)
     return SavedState(
-        game_file=str(game_file), seed=seed, actions=[], messages=messages, prefix_tokens=tokens, round_index=0,
-        observation=turn.observation, admissible=list(turn.admissible), task=extract_task(turn.observation),
-        prefix_step_ids=[-1] * len(tokens), prefix_logprobs=[0.0] * len(tokens),
-    )  # fmt: skip
+        game_file=str(game_file),
+        seed=seed,
+        actions=[],
+        messages=messages,
+        prefix_tokens=tokens,
+        round_index=0,
+        observation=turn.observation,
+        admissible=list(turn.admissible),
+        task=extract_task(turn.observation),
+        prefix_step_ids=[-1] * len(tokens),
+        prefix_logprobs=[0.0] * len(tokens),
+    )
 
 
 def rollout(
@@ -1111,11 +1206,23 @@ def rollout(
                 continue
             groups.append(group)
             n_prefix = len(start.prefix_tokens)
-            trajectories.append([
-                Trajectory(start, index, b, list(start.prefix_tokens), [-1] * n_prefix, [0.0] * n_prefix,
-                           list(start.messages), list(start.actions), turn, sequence_end=n_prefix)
-                for b in range(num_branches)
-            ])  # fmt: skip
+            trajectories.append(
+                [
+                    Trajectory(
+                        start,
+                        index,
+                        b,
+                        list(start.prefix_tokens),
+                        [-1] * n_prefix,
+                        [0.0] * n_prefix,
+                        list(start.messages),
+                        list(start.actions),
+                        turn,
+                        sequence_end=n_prefix,
+                    )
+                    for b in range(num_branches)
+                ]
+            )
 
         for branch_list in trajectories:
             for traj in branch_list:
@@ -1157,8 +1264,21 @@ def _record_step(traj: Trajectory, completion: Completion, action: str | None, t
         traj.turn = turn
     won = traj.turn.won
     reward = 1.0 if won and not previous.won else 0.0
-    traj.steps.append(StepRecord(prompt_length, list(completion.tokens), list(completion.logprobs), completion.text,
-                                 action, traj.turn.observation, reward, won, valid, admissible, list(previous.admissible)))  # fmt: skip
+    traj.steps.append(
+        StepRecord(
+            prompt_length,
+            list(completion.tokens),
+            list(completion.logprobs),
+            completion.text,
+            action,
+            traj.turn.observation,
+            reward,
+            won,
+            valid,
+            admissible,
+            list(previous.admissible),
+        )
+    )
     if won:
         status = STATUS_WON
     elif not valid:
@@ -1175,7 +1295,9 @@ def _record_step(traj: Trajectory, completion: Completion, action: str | None, t
     traj.logprobs.extend([0.0] * len(delta))
 
 
-def _check_stop(traj: Trajectory, horizon: int, max_episode_steps: int, max_turn_tokens: int, max_trajectory_tokens: int):
+def _check_stop(
+    traj: Trajectory, horizon: int, max_episode_steps: int, max_turn_tokens: int, max_trajectory_tokens: int
+):
     if traj.steps and traj.steps[-1].won:
         traj.stop_reason = STOP_WON
     elif traj.round_index >= max_episode_steps:
@@ -1254,43 +1376,153 @@ TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_respons
 
 def _tiny_corpus(rng: random.Random) -> list[str]:
     """Game-like text (ALFWorld observations, actions, tool calls, judge/value outputs) for BPE training."""
-    recs = ["cabinet", "countertop", "drawer", "fridge", "microwave", "sinkbasin", "stoveburner", "shelf",
-            "garbagecan", "coffeemachine", "toaster", "diningtable", "coffeetable", "sidetable", "desk", "bed",
-            "sofa", "armchair", "dresser", "safe", "bathtubbasin", "toilet", "towelholder", "handtowelholder",
-            "ottoman", "cart", "laundryhamper", "toiletpaperhanger"]
-    objs = ["alarmclock", "apple", "baseballbat", "basketball", "book", "bowl", "box", "bread", "butterknife",
-            "candle", "cd", "cellphone", "cloth", "creditcard", "cup", "desklamp", "dishsponge", "egg", "floorlamp",
-            "fork", "glassbottle", "handtowel", "houseplant", "kettle", "keychain", "knife", "ladle", "laptop",
-            "lettuce", "mug", "newspaper", "pan", "papertowelroll", "pen", "pencil", "peppershaker", "pillow",
-            "plate", "plunger", "pot", "potato", "remotecontrol", "saltshaker", "scrubbrush", "soapbar",
-            "soapbottle", "spatula", "spoon", "spraybottle", "statue", "teddybear", "tennisracket", "tissuebox",
-            "toiletpaper", "tomato", "towel", "vase", "watch", "wateringcan", "winebottle"]
-    tasks = ["put a {a} in {r}.", "put a clean {a} in {r}.", "put a hot {a} in {r}.", "put a cool {a} in {r}.",
-             "put two {a} in {r}.", "look at {a} under the desklamp.", "heat some {a} and put it in {r}.",
-             "clean some {a} and put it in {r}.", "cool some {a} and put it in {r}.",
-             "find two {a} and put them in {r}."]
+    recs = [
+        "cabinet",
+        "countertop",
+        "drawer",
+        "fridge",
+        "microwave",
+        "sinkbasin",
+        "stoveburner",
+        "shelf",
+        "garbagecan",
+        "coffeemachine",
+        "toaster",
+        "diningtable",
+        "coffeetable",
+        "sidetable",
+        "desk",
+        "bed",
+        "sofa",
+        "armchair",
+        "dresser",
+        "safe",
+        "bathtubbasin",
+        "toilet",
+        "towelholder",
+        "handtowelholder",
+        "ottoman",
+        "cart",
+        "laundryhamper",
+        "toiletpaperhanger",
+    ]
+    objs = [
+        "alarmclock",
+        "apple",
+        "baseballbat",
+        "basketball",
+        "book",
+        "bowl",
+        "box",
+        "bread",
+        "butterknife",
+        "candle",
+        "cd",
+        "cellphone",
+        "cloth",
+        "creditcard",
+        "cup",
+        "desklamp",
+        "dishsponge",
+        "egg",
+        "floorlamp",
+        "fork",
+        "glassbottle",
+        "handtowel",
+        "houseplant",
+        "kettle",
+        "keychain",
+        "knife",
+        "ladle",
+        "laptop",
+        "lettuce",
+        "mug",
+        "newspaper",
+        "pan",
+        "papertowelroll",
+        "pen",
+        "pencil",
+        "peppershaker",
+        "pillow",
+        "plate",
+        "plunger",
+        "pot",
+        "potato",
+        "remotecontrol",
+        "saltshaker",
+        "scrubbrush",
+        "soapbar",
+        "soapbottle",
+        "spatula",
+        "spoon",
+        "spraybottle",
+        "statue",
+        "teddybear",
+        "tennisracket",
+        "tissuebox",
+        "toiletpaper",
+        "tomato",
+        "towel",
+        "vase",
+        "watch",
+        "wateringcan",
+        "winebottle",
+    ]
+    tasks = [
+        "put a {a} in {r}.",
+        "put a clean {a} in {r}.",
+        "put a hot {a} in {r}.",
+        "put a cool {a} in {r}.",
+        "put two {a} in {r}.",
+        "look at {a} under the desklamp.",
+        "heat some {a} and put it in {r}.",
+        "clean some {a} and put it in {r}.",
+        "cool some {a} and put it in {r}.",
+        "find two {a} and put them in {r}.",
+    ]
     texts = []
     for _ in range(400):
         seen = ", ".join(f"a {rng.choice(recs)} {rng.randint(1, 12)}" for _ in range(rng.randint(3, 12)))
         o, r = rng.choice(objs), rng.choice(recs)
         n, m, k = rng.randint(1, 9), rng.randint(1, 9), rng.randint(1, 30)
         task = rng.choice(tasks).format(a=o, r=r)
-        action = rng.choice([f"go to {r} {n}", f"take {o} {n} from {r} {m}", f"move {o} {n} to {r} {m}",
-                             f"put {o} {n} in/on {r} {m}", f"open {r} {n}", f"close {r} {n}",
-                             f"heat {o} {n} with microwave {m}", f"cool {o} {n} with fridge {m}",
-                             f"clean {o} {n} with sinkbasin {m}", f"slice {o} {n} with knife {m}",
-                             f"use desklamp {n}", f"examine {r} {n}", "look", "inventory"])
+        action = rng.choice(
+            [
+                f"go to {r} {n}",
+                f"take {o} {n} from {r} {m}",
+                f"move {o} {n} to {r} {m}",
+                f"put {o} {n} in/on {r} {m}",
+                f"open {r} {n}",
+                f"close {r} {n}",
+                f"heat {o} {n} with microwave {m}",
+                f"cool {o} {n} with fridge {m}",
+                f"clean {o} {n} with sinkbasin {m}",
+                f"slice {o} {n} with knife {m}",
+                f"use desklamp {n}",
+                f"examine {r} {n}",
+                "look",
+                "inventory",
+            ]
+        )
         texts += [
             f"-= Welcome to TextWorld, ALFRED! =-\n\nYou are in the middle of a room. Looking quickly around you, "
             f"you see {seen}.\n\nYour task is to: {task}",
             f"> {action}\n",
-            rng.choice([f"You arrive at {r} {n}. On the {r} {n}, you see a {o} {m}, and a {rng.choice(objs)} {k}.",
-                        f"You pick up the {o} {n} from the {r} {m}.", f"You put the {o} {n} in/on the {r} {m}.",
-                        f"You open the {r} {n}. The {r} {n} is open. In it, you see nothing.",
-                        f"You close the {r} {n}.", f"You heat the {o} {n} using the microwave {m}.",
-                        f"You cool the {o} {n} using the fridge {m}.",
-                        f"You clean the {o} {n} using the sinkbasin {m}.",
-                        f"You are carrying: a {o} {n}.", "You are not carrying anything.", "Nothing happens."]),
+            rng.choice(
+                [
+                    f"You arrive at {r} {n}. On the {r} {n}, you see a {o} {m}, and a {rng.choice(objs)} {k}.",
+                    f"You pick up the {o} {n} from the {r} {m}.",
+                    f"You put the {o} {n} in/on the {r} {m}.",
+                    f"You open the {r} {n}. The {r} {n} is open. In it, you see nothing.",
+                    f"You close the {r} {n}.",
+                    f"You heat the {o} {n} using the microwave {m}.",
+                    f"You cool the {o} {n} using the fridge {m}.",
+                    f"You clean the {o} {n} using the sinkbasin {m}.",
+                    f"You are carrying: a {o} {n}.",
+                    "You are not carrying anything.",
+                    "Nothing happens.",
+                ]
+            ),
             '<tool_call>\n{"name": "alfworld_step", "arguments": ' + json.dumps({"action": action}) + "}\n</tool_call>",
             f'<tool_response>\nObservation: Nothing happens. Admissible actions: ["{action}", "look"]\n'
             "</tool_response>",
@@ -1302,13 +1534,15 @@ def _tiny_corpus(rng: random.Random) -> list[str]:
             'game.", "parameters": {"type": "object", "properties": {"action": {"type": "string"}}, '
             '"required": ["action"]}}}',
         ]
-    prose = ("You are Qwen, created by Alibaba Cloud. You are a helpful assistant.\n\n# Tools\n\nYou may call one or "
-             "more functions to assist with the user query. You are an expert agent operating in a household. "
-             "Think step by step about what you have seen, where the object could be, and which action brings you "
-             "closer to the goal. Respond with exactly one action from the list of admissible actions. Rate how "
-             "promising the last step was, and estimate the probability of success between 0 and 1. Your previous "
-             "steps were: none. Current observation and history follow. Answer with your reasoning, then the final "
-             "answer. The episode ended: you won, you lost, out of steps, invalid format, unknown command.")
+    prose = (
+        "You are Qwen, created by Alibaba Cloud. You are a helpful assistant.\n\n# Tools\n\nYou may call one or "
+        "more functions to assist with the user query. You are an expert agent operating in a household. "
+        "Think step by step about what you have seen, where the object could be, and which action brings you "
+        "closer to the goal. Respond with exactly one action from the list of admissible actions. Rate how "
+        "promising the last step was, and estimate the probability of success between 0 and 1. Your previous "
+        "steps were: none. Current observation and history follow. Answer with your reasoning, then the final "
+        "answer. The episode ended: you won, you lost, out of steps, invalid format, unknown command."
+    )
     return texts + [prose, " ".join(str(i) for i in range(100))]
 
 
@@ -1318,10 +1552,12 @@ def _qwen2_pipeline(tok) -> None:
 
     # Same normalizer/pre-tokenizer/decoder that Qwen2Tokenizer rebuilds on load; any other would shift ids on reload.
     tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
 
 
@@ -1339,14 +1575,22 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0) -> Path:
     out_dir = Path(out_dir)
     bpe = Tokenizer(models.BPE())
     _qwen2_pipeline(bpe)
-    trainer = trainers.BpeTrainer(vocab_size=2000, special_tokens=SPECIAL_TOKENS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=2000,
+        special_tokens=SPECIAL_TOKENS,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     bpe.train_from_iterator(_tiny_corpus(random.Random(0)), trainer=trainer)  # tokenizer fixed across seeds
     model_json = json.loads(bpe.to_str())["model"]
     tokenizer = Qwen2Tokenizer(
-        vocab=model_json["vocab"], merges=[tuple(m) for m in model_json["merges"]],
-        eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token=None,
-        extra_special_tokens=["<|im_start|>", "<|im_end|>"], model_max_length=32768,
+        vocab=model_json["vocab"],
+        merges=[tuple(m) for m in model_json["merges"]],
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=None,
+        extra_special_tokens=["<|im_start|>", "<|im_end|>"],
+        model_max_length=32768,
     )
     # Like Qwen2.5: tool/think tags are single ids but not special, so decode(skip_special_tokens=True) keeps them.
     tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
@@ -1354,9 +1598,18 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0) -> Path:
 
     pad, eos = tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])
     config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32768, tie_word_embeddings=True,
-        bos_token_id=pad, eos_token_id=eos, pad_token_id=pad, dtype="float32",
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32768,
+        tie_word_embeddings=True,
+        bos_token_id=pad,
+        eos_token_id=eos,
+        pad_token_id=pad,
+        dtype="float32",
     )
     with torch.random.fork_rng(devices=[]):  # seed the init without touching the caller's RNG state
         torch.manual_seed(seed)

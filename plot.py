@@ -12,8 +12,13 @@ from pathlib import Path
 import numpy as np
 import tyro
 
-CRITIC_PANEL = ("critic/abs_error_mean", "critic/value_target_mean", "critic/value_target_std", "critic/value_corr",
-                "critic/parse_failure_rate")
+CRITIC_PANEL = (
+    "critic/abs_error_mean",
+    "critic/value_target_mean",
+    "critic/value_target_std",
+    "critic/value_corr",
+    "critic/parse_failure_rate",
+)
 TOKENS_METRIC = "rollout/generated_tokens"
 
 
@@ -53,7 +58,9 @@ def mean_std(curves: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, n
     return xs, ys.mean(axis=0), ys.std(axis=0)
 
 
-def plot_metrics(runs: dict[str, list[list[dict]]], metrics: tuple[str, ...], out_file: Path, x_axes=("update", "tokens")):
+def plot_metrics(
+    runs: dict[str, list[list[dict]]], metrics: tuple[str, ...], out_file: Path, x_axes=("update", "tokens")
+):
     import matplotlib
 
     matplotlib.use("Agg")

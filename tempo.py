@@ -153,13 +153,23 @@ def validate_model_args(args) -> None:
         (0 < args.top_p <= 1, f"--top-p must lie in (0, 1], got {args.top_p}"),
         (args.micro_batch_tokens >= 1, f"--micro-batch-tokens must be >= 1, got {args.micro_batch_tokens}"),
         (args.sample_batch_size >= 1, f"--sample-batch-size must be >= 1, got {args.sample_batch_size}"),
-        (args.data_root is None or bool(args.data_root), "--data-root must not be empty (leave it unset for the offline games)"),
-        (args.split in ("train", "valid_seen", "valid_unseen"), f"--split must be train, valid_seen or valid_unseen, got {args.split!r}"),
-        (args.task_types is None or (len(args.task_types) >= 1 and set(args.task_types) <= set(common.TASK_TYPES)),
-         f"--task-types must be among {common.TASK_TYPES}, got {args.task_types}"),
+        (
+            args.data_root is None or bool(args.data_root),
+            "--data-root must not be empty (leave it unset for the offline games)",
+        ),
+        (
+            args.split in ("train", "valid_seen", "valid_unseen"),
+            f"--split must be train, valid_seen or valid_unseen, got {args.split!r}",
+        ),
+        (
+            args.task_types is None or (len(args.task_types) >= 1 and set(args.task_types) <= set(common.TASK_TYPES)),
+            f"--task-types must be among {common.TASK_TYPES}, got {args.task_types}",
+        ),
         (args.seed >= 0, f"--seed must be >= 0, got {args.seed}"),
-        (bool(args.exp_name) and "__" not in args.exp_name and "/" not in args.exp_name,
-         f"--exp-name must be non-empty without '__' or '/', got {args.exp_name!r}"),
+        (
+            bool(args.exp_name) and "__" not in args.exp_name and "/" not in args.exp_name,
+            f"--exp-name must be non-empty without '__' or '/', got {args.exp_name!r}",
+        ),
         (bool(args.output_dir), "--output-dir must not be empty"),
         (not args.track or bool(args.wandb_project), "--wandb-project must not be empty with --track"),
         (args.save_every >= 0, f"--save-every must be >= 0, got {args.save_every}"),
@@ -167,7 +177,7 @@ def validate_model_args(args) -> None:
         (args.eval_games >= 0, f"--eval-games must be >= 0, got {args.eval_games}"),
         (not (args.resume and args.eval_only), "--resume and --eval-only cannot be combined"),
         (not args.eval_only or args.eval_games >= 1, "--eval-only needs --eval-games >= 1"),
-    ]  # fmt: skip
+    ]
     for ok, message in checks:
         if not ok:
             raise ValueError(message)
@@ -181,8 +191,10 @@ def make_accelerator():
 
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     if accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM):
-        raise ValueError(f"accelerate config: {accelerator.distributed_type} is not supported; launch with DDP "
-                         "(accelerate launch --multi_gpu), see the README")  # fmt: skip
+        raise ValueError(
+            f"accelerate config: {accelerator.distributed_type} is not supported; launch with DDP "
+            "(accelerate launch --multi_gpu), see the README"
+        )
     return accelerator
 
 
@@ -244,13 +256,20 @@ def load_model(args, accelerator):
     base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16 if on_gpu else torch.float32)
     if on_gpu:  # long multi-turn sequences: activations would not fit otherwise
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    lora = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, target_modules=list(args.lora_targets),
-                      lora_dropout=0.0, task_type="CAUSAL_LM")  # fmt: skip
+    lora = LoraConfig(
+        r=args.lora_rank,
+        lora_alpha=args.lora_alpha,
+        target_modules=list(args.lora_targets),
+        lora_dropout=0.0,
+        task_type="CAUSAL_LM",
+    )
     model = get_peft_model(base, lora)
     optimizer = torch.optim.AdamW(
         [p for p in model.parameters() if p.requires_grad],
-        lr=args.learning_rate, betas=tuple(args.adam_betas), weight_decay=args.weight_decay,
-    )  # fmt: skip
+        lr=args.learning_rate,
+        betas=tuple(args.adam_betas),
+        weight_decay=args.weight_decay,
+    )
     model, optimizer = accelerator.prepare(model, optimizer)
     return tokenizer, model, optimizer
 
@@ -291,15 +310,24 @@ def make_sampler(model, tokenizer, accelerator, args, greedy: bool = False) -> c
             chunk = prompts[first : first + args.sample_batch_size]
             width = max(len(p) for p in chunk)
             input_ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in chunk], device=accelerator.device)
-            attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=accelerator.device)
+            attention_mask = torch.tensor(
+                [[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=accelerator.device
+            )
             recorder = SampledTokenLogprobs(args.temperature)
             # Every sampling field is passed: the model's own generation_config would otherwise apply.
             sequences = policy.generate(
-                input_ids=input_ids, attention_mask=attention_mask, do_sample=not greedy,
-                temperature=args.temperature, top_p=args.top_p, top_k=0, repetition_penalty=1.0,
-                max_new_tokens=max_new_tokens, logits_processor=LogitsProcessorList([recorder]),
-                pad_token_id=pad_id, eos_token_id=eos_id,
-            )  # fmt: skip
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                do_sample=not greedy,
+                temperature=args.temperature,
+                top_p=args.top_p,
+                top_k=0,
+                repetition_penalty=1.0,
+                max_new_tokens=max_new_tokens,
+                logits_processor=LogitsProcessorList([recorder]),
+                pad_token_id=pad_id,
+                eos_token_id=eos_id,
+            )
             new_tokens, logprobs = sequences[:, width:], recorder.logprobs(sequences)
             for row_tokens, row_logprobs in zip(new_tokens.tolist(), logprobs.tolist()):
                 end = row_tokens.index(eos_id) + 1 if eos_id in row_tokens else len(row_tokens)
@@ -340,15 +368,18 @@ def forward_logprobs(policy, rows: list[list[int]], temperature: float, pad_id: 
 
 
 @torch.no_grad()
-def sequence_logprobs(model, accelerator, sequences: list[list[int]], temperature: float, pad_id: int,
-                      micro_batch_tokens: int) -> list[list[float]]:  # fmt: skip
+def sequence_logprobs(
+    model, accelerator, sequences: list[list[int]], temperature: float, pad_id: int, micro_batch_tokens: int
+) -> list[list[float]]:
     """Per-token logprobs of whole sequences under the current policy (no gradient)."""
     policy = accelerator.unwrap_model(model)
     was_training = policy.training
     policy.eval()
     result: list[list[float]] = [[] for _ in sequences]
     for batch in token_budget_batches([len(s) for s in sequences], micro_batch_tokens):
-        logprobs = forward_logprobs(policy, [list(sequences[i]) for i in batch], temperature, pad_id, accelerator.device)
+        logprobs = forward_logprobs(
+            policy, [list(sequences[i]) for i in batch], temperature, pad_id, accelerator.device
+        )
         for row, i in enumerate(batch):
             result[i] = logprobs[row, : len(sequences[i])].tolist()
     policy.train(was_training)
@@ -372,8 +403,18 @@ class Datum:
             raise ValueError("the first token of a datum has no prediction and cannot be trained")
 
 
-def train_step(model, optimizer, accelerator, datums: list[Datum], *, temperature: float, pad_id: int,
-               micro_batch_tokens: int, max_grad_norm: float, clip: tuple[float, float] | None = None) -> dict:  # fmt: skip
+def train_step(
+    model,
+    optimizer,
+    accelerator,
+    datums: list[Datum],
+    *,
+    temperature: float,
+    pad_id: int,
+    micro_batch_tokens: int,
+    max_grad_norm: float,
+    clip: tuple[float, float] | None = None,
+) -> dict:
     """One optimizer step on all datums (token-budget micro-batches, gradient accumulation).
 
     Loss per trained token, ratio = exp(logp - old_logp): clip=None is the importance-sampling policy
@@ -423,7 +464,11 @@ def train_step(model, optimizer, accelerator, datums: list[Datum], *, temperatur
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm).item()
     sums = accelerator.reduce(torch.tensor([loss_sum, ratio_sum, clipped], dtype=torch.float64, device=device), "sum")
     loss_total, ratio_total, clipped_total = sums.tolist()
-    ratio_max = accelerator.reduce(torch.tensor([ratio_max], device=device), "max").item() if accelerator.num_processes > 1 else ratio_max
+    ratio_max = (
+        accelerator.reduce(torch.tensor([ratio_max], device=device), "max").item()
+        if accelerator.num_processes > 1
+        else ratio_max
+    )
     finite = math.isfinite(loss_total) and math.isfinite(grad_norm)
     if finite:
         optimizer.step()
@@ -431,10 +476,14 @@ def train_step(model, optimizer, accelerator, datums: list[Datum], *, temperatur
         print(f"[train] non-finite loss {loss_total} or gradient norm {grad_norm}: step skipped", file=sys.stderr)
     optimizer.zero_grad(set_to_none=True)
     return {
-        "train/loss": loss_total, "train/tokens": total_tokens, "train/grad_norm": grad_norm,
-        "train/ratio_mean": ratio_total / total_tokens, "train/ratio_max": ratio_max,
-        "train/clip_frac": clipped_total / total_tokens, "train/nonfinite_skipped": 0.0 if finite else 1.0,
-    }  # fmt: skip
+        "train/loss": loss_total,
+        "train/tokens": total_tokens,
+        "train/grad_norm": grad_norm,
+        "train/ratio_mean": ratio_total / total_tokens,
+        "train/ratio_max": ratio_max,
+        "train/clip_frac": clipped_total / total_tokens,
+        "train/nonfinite_skipped": 0.0 if finite else 1.0,
+    }
 
 
 def reduce_metrics(accelerator, metrics: dict, sum_keys: Sequence[str] = ()) -> dict:
@@ -496,9 +545,15 @@ class RunLogger:
 
             # The mode comes from WANDB_MODE, never forced online; without it and without credentials: offline.
             mode = None if os.environ.get("WANDB_MODE") or wandb.login(prompt=False, verify=False) else "offline"
-            self.wandb = wandb.init(project=args.wandb_project, name=self.run_dir.name, id=self.run_dir.name, resume="allow",
-                                    config=dataclasses.asdict(args), dir=None if os.environ.get("WANDB_DIR") else str(self.run_dir),
-                                    mode=mode)  # fmt: skip
+            self.wandb = wandb.init(
+                project=args.wandb_project,
+                name=self.run_dir.name,
+                id=self.run_dir.name,
+                resume="allow",
+                config=dataclasses.asdict(args),
+                dir=None if os.environ.get("WANDB_DIR") else str(self.run_dir),
+                mode=mode,
+            )
         self.bar = tqdm(total=total_updates, initial=done, desc=self.run_dir.name, unit="update", dynamic_ncols=True)
         self.turns = tqdm(desc="rollout", unit="turn", position=1, leave=False, dynamic_ncols=True)
 
@@ -523,10 +578,21 @@ class RunLogger:
         if self.wandb is not None:
             import wandb
 
-            rows = [[update, s.get("game", ""), s.get("task", ""),
-                     "\n\n".join(f"[{m['role']}] {m['content']}" for m in s.get("messages", ())),
-                     json.dumps({k: v for k, v in s.items() if k not in ("game", "task", "messages")})] for s in samples]  # fmt: skip
-            table = {"samples": wandb.Table(columns=["update", "game", "task", "messages", "details"], data=rows)} if rows else {}
+            rows = [
+                [
+                    update,
+                    s.get("game", ""),
+                    s.get("task", ""),
+                    "\n\n".join(f"[{m['role']}] {m['content']}" for m in s.get("messages", ())),
+                    json.dumps({k: v for k, v in s.items() if k not in ("game", "task", "messages")}),
+                ]
+                for s in samples
+            ]
+            table = (
+                {"samples": wandb.Table(columns=["update", "game", "task", "messages", "details"], data=rows)}
+                if rows
+                else {}
+            )
             self.wandb.log({**numeric, **table}, step=update)
         self.bar.update(1)
         self.bar.set_postfix({k.split("/")[-1]: f"{numeric[k]:.3g}" for k in self.postfix_keys if k in numeric})
@@ -571,8 +637,9 @@ def adapter_sha256(adapter: dict[str, torch.Tensor]) -> str:
     return digest.hexdigest()
 
 
-def save_checkpoint(run_dir: Path, update: int, model, optimizer, accelerator, algorithm: str,
-                    trainer_state: dict, rank_state: dict) -> Path:  # fmt: skip
+def save_checkpoint(
+    run_dir: Path, update: int, model, optimizer, accelerator, algorithm: str, trainer_state: dict, rank_state: dict
+) -> Path:
     """checkpoints/update_{n:06d}/: adapter (safetensors), optimizer, RNG states and trainer_state.json of every
     process, written by the main process into a temporary dir that is then renamed: a checkpoint dir is always
     complete, whenever the job dies. All processes call; they must hold the same adapter (checked, loudly)."""
@@ -584,8 +651,10 @@ def save_checkpoint(run_dir: Path, update: int, model, optimizer, accelerator, a
     per_rank = [{"state": rank_state, "rng": _rng_state(), "adapter_sha256": checksum}]
     per_rank = gather_object(per_rank) if accelerator.num_processes > 1 else per_rank
     if len({r["adapter_sha256"] for r in per_rank}) > 1:
-        raise RuntimeError(f"update {update}: the adapter differs across processes (sha256 per rank: "
-                           f"{[r['adapter_sha256'][:16] for r in per_rank]}); gradients were not synchronised")  # fmt: skip
+        raise RuntimeError(
+            f"update {update}: the adapter differs across processes (sha256 per rank: "
+            f"{[r['adapter_sha256'][:16] for r in per_rank]}); gradients were not synchronised"
+        )
     checkpoints = Path(run_dir) / "checkpoints"
     final = checkpoints / f"update_{update:06d}"
     if accelerator.is_main_process:
@@ -596,8 +665,13 @@ def save_checkpoint(run_dir: Path, update: int, model, optimizer, accelerator, a
         policy.save_pretrained(tmp)
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         torch.save([r["rng"] for r in per_rank], tmp / "rng.pt")
-        state = {"algorithm": algorithm, "update": update, **trainer_state, "adapter_sha256": checksum,
-                 "rank_states": [r["state"] for r in per_rank]}  # fmt: skip
+        state = {
+            "algorithm": algorithm,
+            "update": update,
+            **trainer_state,
+            "adapter_sha256": checksum,
+            "rank_states": [r["state"] for r in per_rank],
+        }
         (tmp / "trainer_state.json").write_text(json.dumps(state))
         if final.exists():  # saving an update again (resumed from an older checkpoint): move the old one aside first
             old = checkpoints / f".tmp_old_{final.name}_{os.getpid()}"
@@ -606,8 +680,11 @@ def save_checkpoint(run_dir: Path, update: int, model, optimizer, accelerator, a
             shutil.rmtree(old)
         else:
             os.replace(tmp, final)
-        print(f"[checkpoint] {final}: adapter sha256 {checksum[:16]} identical on {accelerator.num_processes} "
-              f"process(es)", file=sys.stderr)  # fmt: skip
+        print(
+            f"[checkpoint] {final}: adapter sha256 {checksum[:16]} identical on {accelerator.num_processes} "
+            f"process(es)",
+            file=sys.stderr,
+        )
     accelerator.wait_for_everyone()
     return final
 
@@ -623,8 +700,10 @@ def find_checkpoint(spec: str, output_dir: str, exp_name: str, flag: str) -> Pat
     if not spec:
         return None
     if spec == "auto":
-        runs = sorted(Path(output_dir).glob(f"{exp_name}__*"), key=lambda p: (int(p.name.split("__")[-1]), p.name)
-                      if p.name.split("__")[-1].isdigit() else (0, p.name))  # fmt: skip
+        runs = sorted(
+            Path(output_dir).glob(f"{exp_name}__*"),
+            key=lambda p: (int(p.name.split("__")[-1]), p.name) if p.name.split("__")[-1].isdigit() else (0, p.name),
+        )
         for run_dir in reversed(runs):
             if checkpoints := _checkpoints_in(run_dir):
                 return checkpoints[-1]
@@ -651,17 +730,30 @@ def check_checkpoint(path: Path, args, algorithm: str, flag: str, num_processes:
             for name in ("optimizer.pt", "rng.pt"):
                 zipfile.ZipFile(path / name).close()  # a torch.save file is a zip; a truncated one has no directory
     except (OSError, ValueError, SafetensorError, zipfile.BadZipFile) as error:
-        raise ValueError(f"{flag} {path}: corrupt or incomplete checkpoint ({type(error).__name__}: {error}); "
-                         "pass an older checkpoint dir") from error  # fmt: skip
-    if not isinstance(state, dict) or not isinstance(state.get("update"), int) or not isinstance(state.get("rank_states"), list):
+        raise ValueError(
+            f"{flag} {path}: corrupt or incomplete checkpoint ({type(error).__name__}: {error}); "
+            "pass an older checkpoint dir"
+        ) from error
+    if (
+        not isinstance(state, dict)
+        or not isinstance(state.get("update"), int)
+        or not isinstance(state.get("rank_states"), list)
+    ):
         raise ValueError(f"{flag} {path}: corrupt checkpoint (trainer_state.json lacks update / rank_states)")
     if state.get("algorithm") != algorithm:
-        raise ValueError(f"{flag} {path} is a checkpoint of {state.get('algorithm')!r}; this script trains {algorithm!r}")
+        raise ValueError(
+            f"{flag} {path} is a checkpoint of {state.get('algorithm')!r}; this script trains {algorithm!r}"
+        )
     if num_processes is not None and len(state["rank_states"]) != num_processes:
-        raise ValueError(f"{flag} {path} was written by {len(state['rank_states'])} processes; resume it with the same "
-                         f"number (now {num_processes})")  # fmt: skip
-    saved = {"--lora-rank": adapter_config.get("r"), "--lora-alpha": adapter_config.get("lora_alpha"),
-             "--lora-targets": sorted(adapter_config.get("target_modules") or [])}  # fmt: skip
+        raise ValueError(
+            f"{flag} {path} was written by {len(state['rank_states'])} processes; resume it with the same "
+            f"number (now {num_processes})"
+        )
+    saved = {
+        "--lora-rank": adapter_config.get("r"),
+        "--lora-alpha": adapter_config.get("lora_alpha"),
+        "--lora-targets": sorted(adapter_config.get("target_modules") or []),
+    }
     ours = {"--lora-rank": args.lora_rank, "--lora-alpha": args.lora_alpha, "--lora-targets": sorted(args.lora_targets)}
     for name, value in saved.items():
         if value != ours[name]:
@@ -697,8 +789,19 @@ def load_checkpoint(path: Path, model, optimizer, accelerator) -> None:
         _set_rng_state(torch.load(path / "rng.pt", weights_only=True)[accelerator.process_index])
 
 
-def evaluate(sample_fn: common.SampleFn, protocol: common.ChatProtocol, accelerator, *, data_root, task_types, eval_games: int,
-             max_episode_steps: int, max_turn_tokens: int, max_trajectory_tokens: int, on_turn=None) -> dict:  # fmt: skip
+def evaluate(
+    sample_fn: common.SampleFn,
+    protocol: common.ChatProtocol,
+    accelerator,
+    *,
+    data_root,
+    task_types,
+    eval_games: int,
+    max_episode_steps: int,
+    max_turn_tokens: int,
+    max_trajectory_tokens: int,
+    on_turn=None,
+) -> dict:
     """Greedy episodes on the first eval_games games of valid_seen and valid_unseen (sharded over processes).
     invalid_action_rate = turns whose reply was not an admissible action (bad format or not admissible)."""
     from accelerate.utils import gather_object
@@ -712,14 +815,31 @@ def evaluate(sample_fn: common.SampleFn, protocol: common.ChatProtocol, accelera
             continue
         mine = games[accelerator.process_index :: accelerator.num_processes]
         starts = [common.fresh_state(game, protocol) for game in mine]
-        groups = common.rollout(starts, 1, sample_fn, protocol, horizon=max_episode_steps, max_episode_steps=max_episode_steps,
-                                max_turn_tokens=max_turn_tokens, max_trajectory_tokens=max_trajectory_tokens,
-                                on_turn=on_turn) if starts else []  # fmt: skip
+        groups = (
+            common.rollout(
+                starts,
+                1,
+                sample_fn,
+                protocol,
+                horizon=max_episode_steps,
+                max_episode_steps=max_episode_steps,
+                max_turn_tokens=max_turn_tokens,
+                max_trajectory_tokens=max_trajectory_tokens,
+                on_turn=on_turn,
+            )
+            if starts
+            else []
+        )
         results = [
-            {"task_type": common.load_task_type(traj.start.game_file), "won": traj.won, "steps": len(traj.steps),
-             "inadmissible": sum(not step.admissible for step in traj.steps)}
-            for group in groups for traj in group
-        ]  # fmt: skip
+            {
+                "task_type": common.load_task_type(traj.start.game_file),
+                "won": traj.won,
+                "steps": len(traj.steps),
+                "inadmissible": sum(not step.admissible for step in traj.steps),
+            }
+            for group in groups
+            for traj in group
+        ]
         results = gather_object(results) if accelerator.num_processes > 1 else results
         if not results:
             continue
@@ -727,14 +847,18 @@ def evaluate(sample_fn: common.SampleFn, protocol: common.ChatProtocol, accelera
         metrics[f"eval/{split}/success_rate"] = len(won) / len(results)
         if won:
             metrics[f"eval/{split}/mean_steps_to_success"] = sum(r["steps"] for r in won) / len(won)
-        metrics[f"eval/{split}/invalid_action_rate"] = sum(r["inadmissible"] for r in results) / max(1, sum(r["steps"] for r in results))
+        metrics[f"eval/{split}/invalid_action_rate"] = sum(r["inadmissible"] for r in results) / max(
+            1, sum(r["steps"] for r in results)
+        )
         for task_type in sorted({r["task_type"] for r in results}):
             of_type = [r["won"] for r in results if r["task_type"] == task_type]
             metrics[f"eval/{split}/success/{task_type}"] = sum(of_type) / len(of_type)
     return metrics
 
 
-def evaluate_checkpoint(args, checkpoint: Path, trainer_state: dict, model, greedy_fn, protocol, accelerator, eval_kwargs) -> Path:
+def evaluate_checkpoint(
+    args, checkpoint: Path, trainer_state: dict, model, greedy_fn, protocol, accelerator, eval_kwargs
+) -> Path:
     """--eval-only: the checkpoint's adapter, one greedy evaluation, logged as one metrics.jsonl row (update = the
     checkpoint's) of a new run dir, and printed."""
     load_checkpoint(checkpoint, model, None, accelerator)
@@ -774,8 +898,9 @@ def parse_value(text) -> float | None:
     return min(1.0, max(0.0, value)) if math.isfinite(value) else None
 
 
-def actor_signals(segment_rewards: Sequence[float], endpoint_values: Sequence[float | None],
-                  terminal: Sequence[bool]) -> tuple[list[float], float, list[float]]:  # fmt: skip
+def actor_signals(
+    segment_rewards: Sequence[float], endpoint_values: Sequence[float | None], terminal: Sequence[bool]
+) -> tuple[list[float], float, list[float]]:
     """R_n = r_n + V_n (V_n = 0 for a terminal branch), G = mean(R), A_n = R_n - G."""
     if not (len(segment_rewards) == len(endpoint_values) == len(terminal)) or not segment_rewards:
         raise ValueError("actor_signals needs one reward, value and terminal flag per branch (at least one branch)")
@@ -788,8 +913,9 @@ def actor_signals(segment_rewards: Sequence[float], endpoint_values: Sequence[fl
     return returns, value_target, [r - value_target for r in returns]
 
 
-def critic_signals(values: Sequence[float | None], value_target: float,
-                   r_max: float) -> tuple[list[float], list[float]]:  # fmt: skip
+def critic_signals(
+    values: Sequence[float | None], value_target: float, r_max: float
+) -> tuple[list[float], list[float]]:
     """Reward -|V_k - G| / r_max per critic sample (a parse failure, None, gets -r_max: the worst), centred
     within the group."""
     if not values:
@@ -830,8 +956,9 @@ def condensed_history(messages: Sequence[dict]) -> list[str]:
     return lines
 
 
-def critic_prompt(tokenizer, task: str, walkthrough: Sequence[str], messages: Sequence[dict], round_index: int,
-                  max_episode_steps: int) -> list[int]:  # fmt: skip
+def critic_prompt(
+    tokenizer, task: str, walkthrough: Sequence[str], messages: Sequence[dict], round_index: int, max_episode_steps: int
+) -> list[int]:
     """Critic prompt tokens: task, steps left, the privileged walkthrough and the condensed history, rendered
     as a plain chat (no tools)."""
     reference = "\n".join(f"{i + 1}. {action}" for i, action in enumerate(walkthrough)) or "(none)"
@@ -876,35 +1003,50 @@ def actor_datum(traj: common.Trajectory, advantage: float) -> Datum:
 def critic_datum(prompt: list[int], reply: common.Completion, advantage: float) -> Datum:
     """Critic prompt as context, the whole reply trained."""
     n = len(reply.tokens)
-    return Datum(prompt + reply.tokens, [0.0] * len(prompt) + reply.logprobs, [0.0] * len(prompt) + [advantage] * n,
-                 [0.0] * len(prompt) + [1.0] * n)  # fmt: skip
+    return Datum(
+        prompt + reply.tokens,
+        [0.0] * len(prompt) + reply.logprobs,
+        [0.0] * len(prompt) + [advantage] * n,
+        [0.0] * len(prompt) + [1.0] * n,
+    )
 
 
 def validate_args(args: Args) -> None:
     validate_model_args(args)
     checks = [
         (args.macro_rounds >= 1, f"--macro-rounds must be >= 1, got {args.macro_rounds}"),
-        (args.max_episode_steps >= 1 and args.max_episode_steps % max(1, args.macro_rounds) == 0,
-         f"--max-episode-steps ({args.max_episode_steps}) must be a positive multiple of --macro-rounds ({args.macro_rounds})"),
+        (
+            args.max_episode_steps >= 1 and args.max_episode_steps % max(1, args.macro_rounds) == 0,
+            f"--max-episode-steps ({args.max_episode_steps}) must be a positive multiple of --macro-rounds ({args.macro_rounds})",
+        ),
         (args.branches >= 2, f"--branches must be >= 2 (advantages compare branches), got {args.branches}"),
-        (args.critic_samples >= 2, f"--critic-samples must be >= 2 (rewards are centred within them), got {args.critic_samples}"),
+        (
+            args.critic_samples >= 2,
+            f"--critic-samples must be >= 2 (rewards are centred within them), got {args.critic_samples}",
+        ),
         (args.endpoint_samples >= 1, f"--endpoint-samples must be >= 1, got {args.endpoint_samples}"),
         (args.states_per_batch >= 1, f"--states-per-batch must be >= 1, got {args.states_per_batch}"),
         (args.warmup_updates >= 0, f"--warmup-updates must be >= 0, got {args.warmup_updates}"),
         (args.warmup_games_per_batch >= 1, f"--warmup-games-per-batch must be >= 1, got {args.warmup_games_per_batch}"),
         (args.td_updates >= 0, f"--td-updates must be >= 0, got {args.td_updates}"),
         (args.warmup_updates + args.td_updates >= 1, "--warmup-updates + --td-updates must be >= 1"),
-        (args.state_store_capacity >= args.states_per_batch,
-         f"--state-store-capacity ({args.state_store_capacity}) must be >= --states-per-batch ({args.states_per_batch})"),
+        (
+            args.state_store_capacity >= args.states_per_batch,
+            f"--state-store-capacity ({args.state_store_capacity}) must be >= --states-per-batch ({args.states_per_batch})",
+        ),
         (args.r_max > 0, f"--r-max must be > 0, got {args.r_max}"),
-        (args.ppo_clip is None or (0 < args.ppo_clip[0] < 1 and args.ppo_clip[1] > 0),
-         f"--ppo-clip needs 0 < eps_low < 1 and eps_high > 0, got {args.ppo_clip}"),
+        (
+            args.ppo_clip is None or (0 < args.ppo_clip[0] < 1 and args.ppo_clip[1] > 0),
+            f"--ppo-clip needs 0 < eps_low < 1 and eps_high > 0, got {args.ppo_clip}",
+        ),
         (args.prefix_is_max_weight >= 1, f"--prefix-is-max-weight must be >= 1, got {args.prefix_is_max_weight}"),
         (args.max_turn_tokens >= 1, f"--max-turn-tokens must be >= 1, got {args.max_turn_tokens}"),
         (args.max_critic_tokens >= 1, f"--max-critic-tokens must be >= 1, got {args.max_critic_tokens}"),
-        (args.max_trajectory_tokens > args.max_turn_tokens,
-         f"--max-trajectory-tokens ({args.max_trajectory_tokens}) must exceed --max-turn-tokens ({args.max_turn_tokens})"),
-    ]  # fmt: skip
+        (
+            args.max_trajectory_tokens > args.max_turn_tokens,
+            f"--max-trajectory-tokens ({args.max_trajectory_tokens}) must exceed --max-turn-tokens ({args.max_turn_tokens})",
+        ),
+    ]
     for ok, message in checks:
         if not ok:
             raise ValueError(message)
@@ -936,13 +1078,22 @@ class Runtime:
         return common.fresh_state(game, self.protocol, seed=self.game_cursor)
 
     def critic_prompt(self, game_file: str, task: str, messages, round_index: int) -> list[int]:
-        return critic_prompt(self.tokenizer, task, common.load_walkthrough(game_file), messages, round_index,
-                             self.args.max_episode_steps)  # fmt: skip
+        return critic_prompt(
+            self.tokenizer, task, common.load_walkthrough(game_file), messages, round_index, self.args.max_episode_steps
+        )
 
     def train(self, datums: list[Datum]) -> dict:
-        return train_step(self.model, self.optimizer, self.accelerator, datums, temperature=self.args.temperature,
-                          pad_id=self.tokenizer.pad_token_id, micro_batch_tokens=self.args.micro_batch_tokens,
-                          max_grad_norm=self.args.max_grad_norm, clip=self.args.ppo_clip)  # fmt: skip
+        return train_step(
+            self.model,
+            self.optimizer,
+            self.accelerator,
+            datums,
+            temperature=self.args.temperature,
+            pad_id=self.tokenizer.pad_token_id,
+            micro_batch_tokens=self.args.micro_batch_tokens,
+            max_grad_norm=self.args.max_grad_norm,
+            clip=self.args.ppo_clip,
+        )
 
 
 def rollout_metrics(trajectories: Sequence[common.Trajectory]) -> dict:
@@ -974,8 +1125,14 @@ def critic_metrics(values: Sequence[float | None], targets: Sequence[float]) -> 
 def sample_row(traj: common.Trajectory, **extra) -> dict:
     """A readable trajectory segment for samples.jsonl."""
     segment = traj.messages[len(traj.start.messages) :]
-    return {"game": traj.start.game_file, "round_index": traj.start.round_index, "task": traj.start.task,
-            "stop_reason": traj.stop_reason, "messages": segment, **extra}  # fmt: skip
+    return {
+        "game": traj.start.game_file,
+        "round_index": traj.start.round_index,
+        "task": traj.start.task,
+        "stop_reason": traj.stop_reason,
+        "messages": segment,
+        **extra,
+    }
 
 
 # =============================================================================================
@@ -985,9 +1142,17 @@ def warmup_update(rt: Runtime) -> tuple[dict, list[dict]]:
     args, t0 = rt.args, time.time()
     # ---- Phase 1, step 1: fresh games, N full trajectories each (one macro step = the whole episode)
     starts = [rt.fresh_state() for _ in range(args.warmup_games_per_batch)]
-    groups = common.rollout(starts, args.branches, rt.sample_fn, rt.protocol, horizon=args.max_episode_steps,
-                            max_episode_steps=args.max_episode_steps, max_turn_tokens=args.max_turn_tokens,
-                            max_trajectory_tokens=args.max_trajectory_tokens, on_turn=rt.on_turn)  # fmt: skip
+    groups = common.rollout(
+        starts,
+        args.branches,
+        rt.sample_fn,
+        rt.protocol,
+        horizon=args.max_episode_steps,
+        max_episode_steps=args.max_episode_steps,
+        max_turn_tokens=args.max_turn_tokens,
+        max_trajectory_tokens=args.max_trajectory_tokens,
+        on_turn=rt.on_turn,
+    )
     trajectories = [traj for group in groups for traj in group]
     t_rollout = time.time()
 
@@ -1018,14 +1183,18 @@ def warmup_update(rt: Runtime) -> tuple[dict, list[dict]]:
     metrics = rt.train(datums)
     metrics.update(rollout_metrics(trajectories))
     metrics.update(critic_metrics(all_values, [g for g in targets for _ in range(K)]))
-    metrics.update({
-        "warmup/success_rate": sum(t.won for t in trajectories) / max(1, len(trajectories)),
-        "warmup/boundary_states": float(len(prompts)),
-        "critic/value_target_mean": statistics.fmean(targets) if targets else 0.0,
-        "critic/value_target_std": statistics.pstdev(targets) if targets else 0.0,
-        "critic/degenerate_group_rate": degenerate / max(1, len(prompts)),
-        "time/rollout": t_rollout - t0, "time/critic": t_critic - t_rollout, "time/update": time.time() - t_critic,
-    })  # fmt: skip
+    metrics.update(
+        {
+            "warmup/success_rate": sum(t.won for t in trajectories) / max(1, len(trajectories)),
+            "warmup/boundary_states": float(len(prompts)),
+            "critic/value_target_mean": statistics.fmean(targets) if targets else 0.0,
+            "critic/value_target_std": statistics.pstdev(targets) if targets else 0.0,
+            "critic/degenerate_group_rate": degenerate / max(1, len(prompts)),
+            "time/rollout": t_rollout - t0,
+            "time/critic": t_critic - t_rollout,
+            "time/update": time.time() - t_critic,
+        }
+    )
     samples = [sample_row(trajectories[0], critic_reply=replies[0].text, value_target=targets[0])] if prompts else []
     return metrics, samples
 
@@ -1043,8 +1212,14 @@ def prefix_weights(rt: Runtime, starts: Sequence[common.SavedState]) -> list[flo
     """exp(log p_now(prefix) - log p_old(prefix)) over the prefix's generated tokens, clipped to the ceiling;
     None for a state without generated tokens (a fresh game: nothing to correct)."""
     with_prefix = [i for i, s in enumerate(starts) if any(k >= 0 for k in s.prefix_step_ids)]
-    current = sequence_logprobs(rt.model, rt.accelerator, [starts[i].prefix_tokens for i in with_prefix],
-                                rt.args.temperature, rt.tokenizer.pad_token_id, rt.args.micro_batch_tokens)  # fmt: skip
+    current = sequence_logprobs(
+        rt.model,
+        rt.accelerator,
+        [starts[i].prefix_tokens for i in with_prefix],
+        rt.args.temperature,
+        rt.tokenizer.pad_token_id,
+        rt.args.micro_batch_tokens,
+    )
     weights: list[float | None] = [None] * len(starts)
     for i, logprobs in zip(with_prefix, current):
         state = starts[i]
@@ -1064,9 +1239,17 @@ def td_update(rt: Runtime) -> tuple[dict, list[dict]]:
     macro_index_mean = statistics.fmean(s.round_index / H for s in starts)
 
     # ---- Phase 2, steps 2-3: restore each state (replay, verified) and run N branches for H turns
-    groups = common.rollout(starts, N, rt.sample_fn, rt.protocol, horizon=H, max_episode_steps=args.max_episode_steps,
-                            max_turn_tokens=args.max_turn_tokens, max_trajectory_tokens=args.max_trajectory_tokens,
-                            on_turn=rt.on_turn)  # fmt: skip
+    groups = common.rollout(
+        starts,
+        N,
+        rt.sample_fn,
+        rt.protocol,
+        horizon=H,
+        max_episode_steps=args.max_episode_steps,
+        max_turn_tokens=args.max_turn_tokens,
+        max_trajectory_tokens=args.max_trajectory_tokens,
+        on_turn=rt.on_turn,
+    )
     restore_failures = sum(1 for group in groups if not group)  # dropped, never fatal
     live = [(start, group) for start, group in zip(starts, groups) if group]
     trajectories = [traj for _, group in live for traj in group]
@@ -1116,9 +1299,16 @@ def td_update(rt: Runtime) -> tuple[dict, list[dict]]:
         else:
             datums += [critic_datum(start_prompts[g], r, a) for r, a in zip(group_replies, critic_advantages)]
         if g == 0:
-            samples.append(sample_row(group[0], segment_reward=segment_rewards[0], endpoint_value=values[0],
-                                      advantage=advantages[0], critic_reply=group_replies[0].text,
-                                      value_target=value_target))  # fmt: skip
+            samples.append(
+                sample_row(
+                    group[0],
+                    segment_reward=segment_rewards[0],
+                    endpoint_value=values[0],
+                    advantage=advantages[0],
+                    critic_reply=group_replies[0].text,
+                    value_target=value_target,
+                )
+            )
     t_critic = time.time()
 
     # ---- Phase 2, step 6: one update, actor and critic datums together
@@ -1139,29 +1329,40 @@ def td_update(rt: Runtime) -> tuple[dict, list[dict]]:
         metrics["actor/value_gap_zero_reward"] = statistics.fmean(zero_reward_gaps)
     if endpoints:
         metrics["critic/endpoint_value_mean"] = statistics.fmean(endpoint_value.values())
-    metrics.update({
-        "critic/endpoint_parse_failures": float(endpoint_failures),
-        "critic/value_target_mean": statistics.fmean(value_targets) if value_targets else 0.0,
-        "critic/value_target_std": statistics.pstdev(value_targets) if value_targets else 0.0,
-        "critic/degenerate_group_rate": degenerate_critic / max(1, len(live)),
-        "actor/segment_reward_mean": statistics.fmean(t.reward for t in trajectories) if trajectories else 0.0,
-        "actor/degenerate_group_rate": degenerate_actor / max(1, len(live)),
-        "actor/macro_boundary_rate": len(endpoints) / max(1, len(trajectories)),
-        "td/store_size": float(len(rt.store)),
-        "td/fresh_states": float(fresh),
-        "td/new_endpoints": float(len(endpoints)),
-        "td/macro_index_mean": macro_index_mean,
-        "td/restore_failures": float(restore_failures),
-        "time/rollout": t_rollout - t0, "time/critic": t_critic - t_rollout, "time/update": t_update - t_critic,
-    })  # fmt: skip
+    metrics.update(
+        {
+            "critic/endpoint_parse_failures": float(endpoint_failures),
+            "critic/value_target_mean": statistics.fmean(value_targets) if value_targets else 0.0,
+            "critic/value_target_std": statistics.pstdev(value_targets) if value_targets else 0.0,
+            "critic/degenerate_group_rate": degenerate_critic / max(1, len(live)),
+            "actor/segment_reward_mean": statistics.fmean(t.reward for t in trajectories) if trajectories else 0.0,
+            "actor/degenerate_group_rate": degenerate_actor / max(1, len(live)),
+            "actor/macro_boundary_rate": len(endpoints) / max(1, len(trajectories)),
+            "td/store_size": float(len(rt.store)),
+            "td/fresh_states": float(fresh),
+            "td/new_endpoints": float(len(endpoints)),
+            "td/macro_index_mean": macro_index_mean,
+            "td/restore_failures": float(restore_failures),
+            "time/rollout": t_rollout - t0,
+            "time/critic": t_critic - t_rollout,
+            "time/update": t_update - t_critic,
+        }
+    )
     return metrics, samples
 
 
 # =============================================================================================
 # Main: set-up, resume, the two phases, checkpoints, evaluation
 # =============================================================================================
-SUM_KEYS = ("td/store_size", "td/fresh_states", "td/new_endpoints", "td/restore_failures", "critic/endpoint_parse_failures",
-            "warmup/boundary_states", "rollout/generated_tokens")  # fmt: skip
+SUM_KEYS = (
+    "td/store_size",
+    "td/fresh_states",
+    "td/new_endpoints",
+    "td/restore_failures",
+    "critic/endpoint_parse_failures",
+    "warmup/boundary_states",
+    "rollout/generated_tokens",
+)
 POSTFIX_KEYS = ("critic/abs_error_mean", "critic/value_corr", "rollout/success_rate", "td/fresh_states", "train/loss")
 
 
@@ -1181,20 +1382,37 @@ def make_runtime(args: Args, accelerator) -> Runtime:
     protocol, sampler and an empty state store."""
     data_root, games = training_games(args, accelerator)
     tokenizer, model, optimizer = load_model(args, accelerator)
-    return Runtime(args, accelerator, tokenizer, model, optimizer, common.ChatProtocol(tokenizer),
-                   make_sampler(model, tokenizer, accelerator, args), data_root, games,
-                   StateStore(args.state_store_capacity), random.Random(args.seed + accelerator.process_index))  # fmt: skip
+    return Runtime(
+        args,
+        accelerator,
+        tokenizer,
+        model,
+        optimizer,
+        common.ChatProtocol(tokenizer),
+        make_sampler(model, tokenizer, accelerator, args),
+        data_root,
+        games,
+        StateStore(args.state_store_capacity),
+        random.Random(args.seed + accelerator.process_index),
+    )
 
 
 def _run(args: Args, accelerator, checkpoint: Path | None, trainer_state: dict | None) -> Path:
     seed_everything(args.seed + accelerator.process_index)
     rt = make_runtime(args, accelerator)
     greedy_fn = make_sampler(rt.model, rt.tokenizer, accelerator, args, greedy=True)
-    eval_kwargs = dict(data_root=rt.data_root, task_types=args.task_types, eval_games=args.eval_games,
-                       max_episode_steps=args.max_episode_steps, max_turn_tokens=args.max_turn_tokens,
-                       max_trajectory_tokens=args.max_trajectory_tokens)  # fmt: skip
+    eval_kwargs = dict(
+        data_root=rt.data_root,
+        task_types=args.task_types,
+        eval_games=args.eval_games,
+        max_episode_steps=args.max_episode_steps,
+        max_turn_tokens=args.max_turn_tokens,
+        max_trajectory_tokens=args.max_trajectory_tokens,
+    )
     if args.eval_only:
-        return evaluate_checkpoint(args, checkpoint, trainer_state, rt.model, greedy_fn, rt.protocol, accelerator, eval_kwargs)
+        return evaluate_checkpoint(
+            args, checkpoint, trainer_state, rt.model, greedy_fn, rt.protocol, accelerator, eval_kwargs
+        )
 
     total_updates = args.warmup_updates + args.td_updates
     done = trainer_state["update"] if checkpoint is not None else 0
@@ -1207,7 +1425,9 @@ def _run(args: Args, accelerator, checkpoint: Path | None, trainer_state: dict |
         rt.rng.setstate((rank_state["rng"][0], tuple(rank_state["rng"][1]), rank_state["rng"][2]))
         for state in rank_state["store"]:
             rt.store.add(common.SavedState.from_json(state))
-        load_checkpoint(checkpoint, rt.model, rt.optimizer, accelerator)  # last: the RNG states as they were at the save
+        load_checkpoint(
+            checkpoint, rt.model, rt.optimizer, accelerator
+        )  # last: the RNG states as they were at the save
         if accelerator.is_main_process:
             print(f"resumed {checkpoint} (update {done} of {total_updates})", file=sys.stderr)
 
@@ -1220,9 +1440,14 @@ def _run(args: Args, accelerator, checkpoint: Path | None, trainer_state: dict |
             metrics.update(evaluate(greedy_fn, rt.protocol, accelerator, **eval_kwargs, on_turn=logger.on_turn))
         logger.log(update, {"phase": phase, **metrics}, samples)
         if last or (args.save_every and update % args.save_every == 0):
-            rank_state = {"game_cursor": rt.game_cursor, "rng": list(rt.rng.getstate()),
-                          "store": [s.to_json() for s in rt.store.states]}  # fmt: skip
-            save_checkpoint(run_dir, update, rt.model, rt.optimizer, accelerator, ALGORITHM, {"phase": phase}, rank_state)
+            rank_state = {
+                "game_cursor": rt.game_cursor,
+                "rng": list(rt.rng.getstate()),
+                "store": [s.to_json() for s in rt.store.states],
+            }
+            save_checkpoint(
+                run_dir, update, rt.model, rt.optimizer, accelerator, ALGORITHM, {"phase": phase}, rank_state
+            )
     logger.close()
     return run_dir
 

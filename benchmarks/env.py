@@ -48,14 +48,24 @@ def main():
     # the biggest games first (receptacles + objects)
     games = sorted(games, key=lambda g: -len(json.loads(Path(g).read_text())["pddl_problem"]))[: args.games]
 
-    print("ours cold = first env of a game in the process (parse + translate once); new env = another env of a\n"
-          "parsed game (what a rollout group costs); reset = back to the start of a live env\n")
-    print(f"{'game':50s} {'stock reset':>12s} {'ours cold':>10s} {'new env':>8s} {'reset':>8s} {'x':>6s} "
-          f"{'stock step':>11s} {'ours step':>10s} {'x':>6s}")
+    print(
+        "ours cold = first env of a game in the process (parse + translate once); new env = another env of a\n"
+        "parsed game (what a rollout group costs); reset = back to the start of a live env\n"
+    )
+    print(
+        f"{'game':50s} {'stock reset':>12s} {'ours cold':>10s} {'new env':>8s} {'reset':>8s} {'x':>6s} "
+        f"{'stock step':>11s} {'ours step':>10s} {'x':>6s}"
+    )
     for game_file in games:
         infos = textworld.EnvInfos(won=True, admissible_commands=True, extras=["gamefile"])
-        env_id = textworld.gym.register_games([game_file], infos, batch_size=1, asynchronous=False,
-                                              max_episode_steps=1000, wrappers=[AlfredDemangler, AlfredInfos])
+        env_id = textworld.gym.register_games(
+            [game_file],
+            infos,
+            batch_size=1,
+            asynchronous=False,
+            max_episode_steps=1000,
+            wrappers=[AlfredDemangler, AlfredInfos],
+        )
         stock = textworld.gym.make(env_id)
         start = time.perf_counter()
         ours = common.AlfredEnv(game_file)
@@ -82,9 +92,11 @@ def main():
         stock_step = statistics.median(stock_steps() for _ in range(args.repeats)) / len(commands)
         ours_step = statistics.median(ours_steps() for _ in range(args.repeats)) / len(commands)
         name = Path(game_file).parent.parent.name[:50]
-        print(f"{name:50s} {stock_reset * 1e3:10.1f}ms {cold * 1e3:8.0f}ms {new_env * 1e3:6.1f}ms "
-              f"{ours_reset * 1e3:6.2f}ms {stock_reset / new_env:6.0f} "
-              f"{stock_step * 1e3:9.1f}ms {ours_step * 1e3:8.2f}ms {stock_step / ours_step:6.1f}")
+        print(
+            f"{name:50s} {stock_reset * 1e3:10.1f}ms {cold * 1e3:8.0f}ms {new_env * 1e3:6.1f}ms "
+            f"{ours_reset * 1e3:6.2f}ms {stock_reset / new_env:6.0f} "
+            f"{stock_step * 1e3:9.1f}ms {ours_step * 1e3:8.2f}ms {stock_step / ours_step:6.1f}"
+        )
         stock.close()
         ours.close()
 
@@ -93,8 +105,14 @@ def main():
     print(f"{'actions':>8s} {'snapshot':>10s} {'replay':>10s} {'x':>8s} {'stock replay':>13s}")
     group = common.EnvGroup(game_file, 1)
     infos = textworld.EnvInfos(won=True, admissible_commands=True)
-    env_id = textworld.gym.register_games([game_file], infos, batch_size=1, asynchronous=False,
-                                          max_episode_steps=1000, wrappers=[AlfredDemangler, AlfredInfos])
+    env_id = textworld.gym.register_games(
+        [game_file],
+        infos,
+        batch_size=1,
+        asynchronous=False,
+        max_episode_steps=1000,
+        wrappers=[AlfredDemangler, AlfredInfos],
+    )
     stock = textworld.gym.make(env_id)
     for length in (5, 10, 20, 40):
         commands = long_command_list(game_file, length)
@@ -119,7 +137,9 @@ def main():
 
         snap, replay = timed(by_snapshot, args.repeats * 4), timed(by_replay, args.repeats)
         stock_replay = timed(by_stock_replay, 2)
-        print(f"{length:8d} {snap * 1e3:8.2f}ms {replay * 1e3:8.1f}ms {replay / snap:8.1f} {stock_replay * 1e3:11.0f}ms")
+        print(
+            f"{length:8d} {snap * 1e3:8.2f}ms {replay * 1e3:8.1f}ms {replay / snap:8.1f} {stock_replay * 1e3:11.0f}ms"
+        )
     group.close()
     stock.close()
 

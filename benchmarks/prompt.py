@@ -25,9 +25,18 @@ def make_sampler(model, tokenizer, clock):
         ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(p)) + p for p in prompts])
         mask = (torch.arange(width)[None] >= torch.tensor([width - len(p) for p in prompts])[:, None]).long()
         with torch.no_grad():
-            out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_p=1.0,
-                                 top_k=0, max_new_tokens=max_new_tokens, output_logits=True,
-                                 return_dict_in_generate=True, pad_token_id=tokenizer.pad_token_id)
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                do_sample=True,
+                temperature=1.0,
+                top_p=1.0,
+                top_k=0,
+                max_new_tokens=max_new_tokens,
+                output_logits=True,
+                return_dict_in_generate=True,
+                pad_token_id=tokenizer.pad_token_id,
+            )
         logprobs = torch.stack(out.logits, 1).log_softmax(-1)
         completions = []
         for row, seq in enumerate(out.sequences[:, width:].tolist()):
@@ -67,28 +76,41 @@ def main():
         per_turn.append((time.perf_counter() - start) / 20)
         prompt += completion + delta
     reply = protocol.tokenizer.decode(completion, skip_special_tokens=True)
-    history = state.messages + [{"role": m, "content": c} for _ in range(50) for m, c in (("assistant", reply), ("tool", content))]
+    history = state.messages + [
+        {"role": m, "content": c} for _ in range(50) for m, c in (("assistant", reply), ("tool", content))
+    ]
     full = protocol.render(history, add_generation_prompt=True)
     start = time.perf_counter()
     protocol.encode(protocol.render(history, add_generation_prompt=True))
     retokenise = time.perf_counter() - start
-    print(f"prompt extension: turn 1 {per_turn[0] * 1e6:.0f} us, turn 50 {per_turn[-1] * 1e6:.0f} us "
-          f"(ratio {per_turn[-1] / per_turn[0]:.2f}); prompt at turn 50 = {len(prompt)} tokens "
-          f"(full render {len(protocol.encode(full))}); re-rendering + re-tokenising the 50-turn chat instead: "
-          f"{retokenise * 1e6:.0f} us ({retokenise / per_turn[-1]:.0f}x)")
+    print(
+        f"prompt extension: turn 1 {per_turn[0] * 1e6:.0f} us, turn 50 {per_turn[-1] * 1e6:.0f} us "
+        f"(ratio {per_turn[-1] / per_turn[0]:.2f}); prompt at turn 50 = {len(prompt)} tokens "
+        f"(full render {len(protocol.encode(full))}); re-rendering + re-tokenising the 50-turn chat instead: "
+        f"{retokenise * 1e6:.0f} us ({retokenise / per_turn[-1]:.0f}x)"
+    )
 
     # 2. rollout turn time, sampling vs the rest
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     clock = {"sampling": 0.0}
     start = time.perf_counter()
-    groups = common.rollout([state], args.branches, make_sampler(model, tokenizer, clock), protocol,
-                            horizon=args.turns, max_episode_steps=50, max_turn_tokens=args.max_turn_tokens,
-                            max_trajectory_tokens=32_000)
+    groups = common.rollout(
+        [state],
+        args.branches,
+        make_sampler(model, tokenizer, clock),
+        protocol,
+        horizon=args.turns,
+        max_episode_steps=50,
+        max_turn_tokens=args.max_turn_tokens,
+        max_trajectory_tokens=32_000,
+    )
     total = time.perf_counter() - start
     turns = max(len(t.steps) for t in groups[0])
-    print(f"rollout: {args.branches} branches x {turns} turns in {total:.2f} s = {total / turns * 1e3:.0f} ms/turn: "
-          f"sampling {clock['sampling'] / turns * 1e3:.0f} ms, everything else "
-          f"{(total - clock['sampling']) / turns * 1e3:.0f} ms (env, parsing, prompt deltas, restore)")
+    print(
+        f"rollout: {args.branches} branches x {turns} turns in {total:.2f} s = {total / turns * 1e3:.0f} ms/turn: "
+        f"sampling {clock['sampling'] / turns * 1e3:.0f} ms, everything else "
+        f"{(total - clock['sampling']) / turns * 1e3:.0f} ms (env, parsing, prompt deltas, restore)"
+    )
 
 
 if __name__ == "__main__":

@@ -36,9 +36,19 @@ class ScriptedEndpoint:
                     status, payload, delay = endpoint.behave(content, attempt)
                     endpoint.stop.wait(delay)
                     if isinstance(payload, str):
-                        payload = {"id": "c", "object": "chat.completion", "created": 0, "model": body["model"],
-                                   "choices": [{"index": 0, "finish_reason": "stop",
-                                                "message": {"role": "assistant", "content": payload}}]}  # fmt: skip
+                        payload = {
+                            "id": "c",
+                            "object": "chat.completion",
+                            "created": 0,
+                            "model": body["model"],
+                            "choices": [
+                                {
+                                    "index": 0,
+                                    "finish_reason": "stop",
+                                    "message": {"role": "assistant", "content": payload},
+                                }
+                            ],
+                        }
                     data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
                     self.send_response(status)
                     self.send_header("Content-Type", "application/json")

@@ -14,7 +14,9 @@ import adca_grpo
 import common
 
 SECRET = "sk-adca-test-SECRET-0123456789"
-DECOUPLE = dict(fix_base=0.2, alpha=0.1, orm_distribution="last_step", equal_trajectory_weight=True, length_normalization=False)
+DECOUPLE = dict(
+    fix_base=0.2, alpha=0.1, orm_distribution="last_step", equal_trajectory_weight=True, length_normalization=False
+)
 
 
 def approx(rows, expected, tol=1e-9):
@@ -56,8 +58,12 @@ def test_decouple_degenerate_groups():
     approx(rewards, [[0.1 * 0.2 / sd] * 2, [-0.1 * 0.2 / sd] * 2], 1e-6)
     # all GOOD, mixed outcomes: the labels carry nothing (z = 0), only the outcome remains
     for equal in (True, False):
-        rewards = adca_grpo.decouple_step_rewards([1.0, 0.0, 0.0, 1.0], [[True] * 3, [True], [True] * 2, [True]], [0] * 4,
-                                                  **dict(DECOUPLE, equal_trajectory_weight=equal))  # fmt: skip
+        rewards = adca_grpo.decouple_step_rewards(
+            [1.0, 0.0, 0.0, 1.0],
+            [[True] * 3, [True], [True] * 2, [True]],
+            [0] * 4,
+            **dict(DECOUPLE, equal_trajectory_weight=equal),
+        )
         approx(rewards, [[0.0, 0.0, 1.0], [-1.0], [0.0, -1.0], [1.0]])
     # everything identical: exactly zero (the formula alone would leave rounding noise / sqrt(eps))
     assert adca_grpo.decouple_step_rewards([0.0] * 3, [[False] * 3] * 3, [7] * 3, **DECOUPLE) == [[0.0] * 3] * 3
@@ -108,7 +114,9 @@ def test_health_metrics():
     assert m["prm/decouple/sum_step_reward_sign_agree"] == 1.0  # C sums to 0: not > 0, like its outcome
     assert 0.0 < m["prm/decouple/outcome_share_last_mean"] < 1.0
     sd = math.sqrt(0.03 + 1e-8)
-    assert m["prm/decouple/alpha_effective"] == pytest.approx((0.1 * 0.4 / sd + 0.1 * 0.1 / sd + 0.0 / 1e-12) / 3, rel=1e-6)
+    assert m["prm/decouple/alpha_effective"] == pytest.approx(
+        (0.1 * 0.4 / sd + 0.1 * 0.1 / sd + 0.0 / 1e-12) / 3, rel=1e-6
+    )
 
 
 def test_alpha_schedule():
@@ -125,12 +133,16 @@ def test_alpha_schedule():
 # =============================================================================================
 def test_parse_judgments():
     parse = adca_grpo.parse_judgments
-    reply = "Step 1 Analysis: went to the fridge.\nStep 1 Judgment: GOOD\nStep 2 Analysis: looked.\nStep 2 Judgment: BAD\n"
+    reply = (
+        "Step 1 Analysis: went to the fridge.\nStep 1 Judgment: GOOD\nStep 2 Analysis: looked.\nStep 2 Judgment: BAD\n"
+    )
     assert parse(reply, 2) == [True, False]
     assert parse("step 2 judgment: good\nSTEP 1 JUDGEMENT: bad", 2) == [False, True]  # any case, either spelling
     assert parse("**Step 1 Judgment:** **GOOD**\n### Step 2 Judgment: BAD", 2) == [True, False]  # markdown
     assert parse("Step 1 Judgment: GOOD\nStep 1 Judgment: BAD", 1) == [False]  # last judgment wins
-    assert parse("Step 1 Judgment: GOOD\nStep 7 Judgment: BAD\nStep 0 Judgment: BAD", 1) == [True]  # out of range ignored
+    assert parse("Step 1 Judgment: GOOD\nStep 7 Judgment: BAD\nStep 0 Judgment: BAD", 1) == [
+        True
+    ]  # out of range ignored
     assert parse("Step 1 Judgment: GOOD", 2) is None  # step 2 missing
     assert parse("Step 1 Judgment: NEUTRAL", 1) is None
     assert parse("Step 1 Judgment: GOODNESS", 1) is None
@@ -141,7 +153,9 @@ def test_parse_judgments():
 
 
 def test_label_prompt_numbers_steps_from_one():
-    messages = adca_grpo.build_label_messages("put a mug in fridge.", [("go to fridge 1", "You arrive."), ("look", "x" * 50)], -0.5, 20)
+    messages = adca_grpo.build_label_messages(
+        "put a mug in fridge.", [("go to fridge 1", "You arrive."), ("look", "x" * 50)], -0.5, 20
+    )
     user = messages[1]["content"]
     assert messages[0]["role"] == "system" and "Step 1\nAction: go to fridge 1" in user and "Step 2\n" in user
     assert "Step 3" not in user and "x" * 21 not in user and "OVERALL SCORE: -0.5000 (negative)" in user
@@ -151,23 +165,38 @@ def test_label_prompt_numbers_steps_from_one():
 # the api labeller against a real local OpenAI-compatible server
 # =============================================================================================
 def judgments(n, good=lambda j: j % 2 == 0):
-    return "\n".join(f"Step {j + 1} Analysis: fine.\nStep {j + 1} Judgment: {'GOOD' if good(j) else 'BAD'}" for j in range(n))
+    return "\n".join(
+        f"Step {j + 1} Analysis: fine.\nStep {j + 1} Judgment: {'GOOD' if good(j) else 'BAD'}" for j in range(n)
+    )
 
 
-RATE_LIMITED = {"error": {"message": "Rate limit reached for requests", "type": "requests", "code": "rate_limit_exceeded"}}
+RATE_LIMITED = {
+    "error": {"message": "Rate limit reached for requests", "type": "requests", "code": "rate_limit_exceeded"}
+}
 SERVER_ERROR = {"error": {"message": "internal error", "type": "server_error"}}
 REFUSED = {"error": {"code": "data_inspection_failed", "message": "Input data may contain inappropriate content."}}
 
 
 def api_args(url, **overrides):
-    config = dict(labeler_backend="api", labeler_base_url=url, labeler_api_key_env="ADCA_TEST_KEY", labeler_model="judge",
-                  labeler_concurrency=3, labeler_timeout_s=5.0, labeler_deadline_s=20.0, labeler_rate_limit_backoff_s=0.2,
-                  labeler_error_backoff_s=0.1, labeler_max_new_tokens=256)  # fmt: skip
+    config = dict(
+        labeler_backend="api",
+        labeler_base_url=url,
+        labeler_api_key_env="ADCA_TEST_KEY",
+        labeler_model="judge",
+        labeler_concurrency=3,
+        labeler_timeout_s=5.0,
+        labeler_deadline_s=20.0,
+        labeler_rate_limit_backoff_s=0.2,
+        labeler_error_backoff_s=0.1,
+        labeler_max_new_tokens=256,
+    )
     return adca_grpo.Args(**{**config, **overrides})
 
 
 def request(name, num_steps=2):
-    return adca_grpo.LabelRequest(name, [{"role": "system", "content": "judge"}, {"role": "user", "content": name}], num_steps)
+    return adca_grpo.LabelRequest(
+        name, [{"role": "system", "content": "judge"}, {"role": "user", "content": name}], num_steps
+    )
 
 
 @pytest.fixture
@@ -209,11 +238,20 @@ def test_api_labeler_refusals_timeouts_and_the_deadline(api_key):
     with ScriptedEndpoint(behave) as server:
         args = api_args(server.url, labeler_timeout_s=0.3, labeler_deadline_s=1.5, labeler_error_backoff_s=0.05)
         start = time.monotonic()
-        refused, slow, mangled, fine = adca_grpo.ApiLabeler(args)([request(n) for n in ("refused", "slow", "mangled", "fine")])
+        refused, slow, mangled, fine = adca_grpo.ApiLabeler(args)(
+            [request(n) for n in ("refused", "slow", "mangled", "fine")]
+        )
         elapsed = time.monotonic() - start
-    assert refused.text is None and refused.attempts == 2 and "BadRequestError" in refused.error  # gave up after 2 refusals
-    assert slow.text is None and slow.attempts >= 2 and "deadline" in slow.error  # per-request timeouts, then the deadline
-    assert mangled.attempts == 2 and adca_grpo.parse_judgments(mangled.text, 2) == [True, False]  # a garbage body is retried
+    assert (
+        refused.text is None and refused.attempts == 2 and "BadRequestError" in refused.error
+    )  # gave up after 2 refusals
+    assert (
+        slow.text is None and slow.attempts >= 2 and "deadline" in slow.error
+    )  # per-request timeouts, then the deadline
+    assert mangled.attempts == 2 and adca_grpo.parse_judgments(mangled.text, 2) == [
+        True,
+        False,
+    ]  # a garbage body is retried
     assert fine.text is not None and fine.attempts == 1
     assert elapsed < 1.5 + 1.0  # a dead endpoint never stalls past the deadline
 
@@ -240,7 +278,9 @@ def look_trajectories(all_games, protocol):
         return [common.Completion(tokens, [0.0] * len(tokens), tool_call("look")) for _ in prompts]
 
     starts = [common.fresh_state(game, protocol) for game in all_games[:2]]
-    groups = common.rollout(starts, 2, look, protocol, horizon=2, max_episode_steps=2, max_turn_tokens=48, max_trajectory_tokens=4096)
+    groups = common.rollout(
+        starts, 2, look, protocol, horizon=2, max_episode_steps=2, max_turn_tokens=48, max_trajectory_tokens=4096
+    )
     return [traj for group in groups for traj in group]
 
 
@@ -255,12 +295,25 @@ def test_label_trajectories_through_the_api(api_key, look_trajectories, tmp_path
     overall, orm = [0.8, -0.8, 0.0, -0.5], [1.0, 0.0, 1.0, 0.0]
     with ScriptedEndpoint(behave) as server:
         args = api_args(server.url, labeler_max_attempts=2, labeler_error_backoff_s=0.05, labeler_log_dir=str(tmp_path))
-        flags, metrics = adca_grpo.label_trajectories(look_trajectories, overall, orm, adca_grpo.ApiLabeler(args), args, update=3,
-                                                      log_file=tmp_path / "labels.jsonl")  # fmt: skip
+        flags, metrics = adca_grpo.label_trajectories(
+            look_trajectories,
+            overall,
+            orm,
+            adca_grpo.ApiLabeler(args),
+            args,
+            update=3,
+            log_file=tmp_path / "labels.jsonl",
+        )
     # parsed; failed -> uniform by score sign; skipped (|score| < 1e-8) -> uniform; unparsable -> uniform
     assert flags == [[True, False], [False, False], [False, False], [False, False]]
-    assert metrics["prm/label_requests"] == 3 and metrics["prm/label_failures"] == 1 and metrics["prm/parse_failures"] == 1
-    assert metrics["prm/skipped"] == 1 and metrics["prm/good_rate"] == 0.5 and metrics["prm/latency_p95"] >= metrics["prm/latency_p50"]
+    assert (
+        metrics["prm/label_requests"] == 3 and metrics["prm/label_failures"] == 1 and metrics["prm/parse_failures"] == 1
+    )
+    assert (
+        metrics["prm/skipped"] == 1
+        and metrics["prm/good_rate"] == 0.5
+        and metrics["prm/latency_p95"] >= metrics["prm/latency_p50"]
+    )
     records = [json.loads(line) for line in (tmp_path / "labels.jsonl").read_text().splitlines()]
     assert len(records) == 3 and {r["update"] for r in records} == {3} and records[0]["model"] == "judge"
     assert {"trajectory_id", "messages", "reply", "flags", "latency_s", "error"} <= set(records[0])
@@ -279,7 +332,9 @@ def test_skip_all_neg(look_trajectories):
 
     labeler.model_name = "scripted"
     args = adca_grpo.Args(skip_type="skip_all_neg")
-    flags, metrics = adca_grpo.label_trajectories(look_trajectories, [0.5, -0.5, 0.0, -0.5], [1.0, 0.0, 1.0, 0.0], labeler, args, update=0)
+    flags, metrics = adca_grpo.label_trajectories(
+        look_trajectories, [0.5, -0.5, 0.0, -0.5], [1.0, 0.0, 1.0, 0.0], labeler, args, update=0
+    )
     assert len(asked) == 2 and metrics["prm/skipped"] == 2  # the two lost trajectories were not asked about
     assert flags == [[True, True], [False, False], [True, True], [False, False]]
 
@@ -289,10 +344,27 @@ def test_skip_all_neg(look_trajectories):
 # =============================================================================================
 def small_args(games_root, tiny_model_dir, output_dir, **overrides):
     """Tiny budgets: 2 games x 2 episodes of at most 2 turns, short replies."""
-    settings = dict(model=str(tiny_model_dir), data_root=str(games_root), output_dir=str(output_dir), seed=0, num_updates=2,
-                    games_per_update=2, trajectories_per_game=2, max_turns=2, max_turn_tokens=24, max_trajectory_tokens=4096,
-                    micro_batch_tokens=8192, sample_batch_size=16, lora_rank=4, lora_alpha=8, save_every=0, eval_every=0,
-                    eval_games=1, skip_type="none", labeler_max_new_tokens=24)  # fmt: skip
+    settings = dict(
+        model=str(tiny_model_dir),
+        data_root=str(games_root),
+        output_dir=str(output_dir),
+        seed=0,
+        num_updates=2,
+        games_per_update=2,
+        trajectories_per_game=2,
+        max_turns=2,
+        max_turn_tokens=24,
+        max_trajectory_tokens=4096,
+        micro_batch_tokens=8192,
+        sample_batch_size=16,
+        lora_rank=4,
+        lora_alpha=8,
+        save_every=0,
+        eval_every=0,
+        eval_games=1,
+        skip_type="none",
+        labeler_max_new_tokens=24,
+    )
     return adca_grpo.Args(**{**settings, **overrides})
 
 
@@ -313,7 +385,9 @@ def runtime(games_root, tiny_model_dir, tmp_path):
 def test_self_labeler_on_the_tiny_model(runtime, look_trajectories):
     rt = runtime(labeler_backend="self")
     assert isinstance(rt.labeler, adca_grpo.PolicyLabeler)
-    flags, metrics = adca_grpo.label_trajectories(look_trajectories, [0.5, -0.5, 0.5, -0.5], [1.0, 0.0, 1.0, 0.0], rt.labeler, rt.args, 1)
+    flags, metrics = adca_grpo.label_trajectories(
+        look_trajectories, [0.5, -0.5, 0.5, -0.5], [1.0, 0.0, 1.0, 0.0], rt.labeler, rt.args, 1
+    )
     assert metrics["prm/label_requests"] == 4 and metrics["prm/label_failures"] == 0 and metrics["prm/latency_p50"] > 0
     # a random tiny model does not write judgments: every reply is counted and falls back to uniform flags
     assert metrics["prm/parse_failures"] == 4 and flags == [[True, True], [False, False]] * 2
@@ -323,22 +397,45 @@ def test_self_labeler_on_the_tiny_model(runtime, look_trajectories):
 @pytest.mark.parametrize("sign", [1.0, -1.0])
 def test_update_moves_logprob_with_the_advantage_sign(runtime, sign):
     rt = runtime(learning_rate=1e-2)
-    (group,) = common.rollout([rt.fresh_state()], 1, rt.sample_fn, rt.protocol, horizon=2, max_episode_steps=2,
-                              max_turn_tokens=16, max_trajectory_tokens=4096)  # fmt: skip
+    (group,) = common.rollout(
+        [rt.fresh_state()],
+        1,
+        rt.sample_fn,
+        rt.protocol,
+        horizon=2,
+        max_episode_steps=2,
+        max_turn_tokens=16,
+        max_trajectory_tokens=4096,
+    )
     tokens, old_logprobs, step_ids = group[0].sequence()
     advantages = adca_grpo.broadcast_to_tokens([[sign] * len(group[0].steps)], torch.tensor([step_ids]))[0].tolist()
     mask = [float(k >= 0) for k in step_ids]
     datum = adca_grpo.Datum(tokens, old_logprobs, advantages, mask)
 
     def generated_logprob():
-        (logprobs,) = adca_grpo.sequence_logprobs(rt.model, rt.accelerator, [tokens], rt.args.temperature, rt.tokenizer.pad_token_id, 8192)
+        (logprobs,) = adca_grpo.sequence_logprobs(
+            rt.model, rt.accelerator, [tokens], rt.args.temperature, rt.tokenizer.pad_token_id, 8192
+        )
         return sum(lp for lp, m in zip(logprobs, mask) if m)
 
     before = generated_logprob()
     assert before == pytest.approx(sum(old_logprobs), abs=1e-3)  # sampling logprobs = teacher-forced ones
-    metrics = adca_grpo.train_step(rt.model, rt.optimizer, rt.accelerator, [datum], temperature=rt.args.temperature,
-                                   pad_id=rt.tokenizer.pad_token_id, micro_batch_tokens=8192, max_grad_norm=1.0, clip=(0.2, 0.2))  # fmt: skip
-    assert metrics["train/tokens"] == sum(mask) and metrics["train/clip_frac"] == 0 and metrics["train/nonfinite_skipped"] == 0
+    metrics = adca_grpo.train_step(
+        rt.model,
+        rt.optimizer,
+        rt.accelerator,
+        [datum],
+        temperature=rt.args.temperature,
+        pad_id=rt.tokenizer.pad_token_id,
+        micro_batch_tokens=8192,
+        max_grad_norm=1.0,
+        clip=(0.2, 0.2),
+    )
+    assert (
+        metrics["train/tokens"] == sum(mask)
+        and metrics["train/clip_frac"] == 0
+        and metrics["train/nonfinite_skipped"] == 0
+    )
     assert (generated_logprob() - before) * sign > 1e-4
 
 
@@ -354,16 +451,19 @@ def test_kl_to_the_base_model(runtime):
     assert metrics["train/kl"] > 1e-3 and metrics["train/tokens"] == metrics["rollout/generated_tokens"]
 
 
-@pytest.mark.parametrize("overrides, flag", [
-    (dict(trajectories_per_game=1), "--trajectories-per-game"),
-    (dict(clip_eps=0.0), "--clip-eps"),
-    (dict(alpha=-0.1), "--alpha"),
-    (dict(alpha_schedule="cosine", alpha=0.1, alpha_min=0.2), "--alpha-min"),
-    (dict(labeler_backend="api"), "--labeler-base-url"),
-    (dict(labeler_concurrency=0), "--labeler-concurrency"),
-    (dict(max_trajectory_tokens=24, max_turn_tokens=24), "--max-trajectory-tokens"),
-    (dict(labeler_base_url="http://127.0.0.1:9/v1", labeler_api_key_env="ADCA_UNSET_KEY"), "--labeler-api-key-env"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "overrides, flag",
+    [
+        (dict(trajectories_per_game=1), "--trajectories-per-game"),
+        (dict(clip_eps=0.0), "--clip-eps"),
+        (dict(alpha=-0.1), "--alpha"),
+        (dict(alpha_schedule="cosine", alpha=0.1, alpha_min=0.2), "--alpha-min"),
+        (dict(labeler_backend="api"), "--labeler-base-url"),
+        (dict(labeler_concurrency=0), "--labeler-concurrency"),
+        (dict(max_trajectory_tokens=24, max_turn_tokens=24), "--max-trajectory-tokens"),
+        (dict(labeler_base_url="http://127.0.0.1:9/v1", labeler_api_key_env="ADCA_UNSET_KEY"), "--labeler-api-key-env"),
+    ],
+)
 def test_invalid_flags_fail_at_start_naming_the_flag(overrides, flag, monkeypatch):
     monkeypatch.delenv("ADCA_UNSET_KEY", raising=False)
     with pytest.raises(ValueError, match=flag):
@@ -371,15 +471,29 @@ def test_invalid_flags_fail_at_start_naming_the_flag(overrides, flag, monkeypatc
 
 
 def test_smoke_self_labeler(games_root, tiny_model_dir, tmp_path):
-    run_dir = adca_grpo.main(small_args(games_root, tiny_model_dir, tmp_path, labeler_backend="self", eval_every=2,
-                                        labeler_log_dir=str(tmp_path / "labels")))  # fmt: skip
+    run_dir = adca_grpo.main(
+        small_args(
+            games_root,
+            tiny_model_dir,
+            tmp_path,
+            labeler_backend="self",
+            eval_every=2,
+            labeler_log_dir=str(tmp_path / "labels"),
+        )
+    )
     rows = read_metrics(run_dir)
     assert [r["update"] for r in rows] == [1, 2] and {r["labeler"] for r in rows} == {"self"}
     for row in rows:
         assert row["prm/label_requests"] == 4 and row["prm/label_failures"] == 0
         assert row["train/tokens"] == row["rollout/generated_tokens"]  # the labeller's replies are never trained on
-        for key in ("prm/decouple/alpha_effective", "prm/decouple/outcome_share_last_mean", "prm/good_rate",
-                    "rollout/success_rate", "train/grad_norm", "time/label"):
+        for key in (
+            "prm/decouple/alpha_effective",
+            "prm/decouple/outcome_share_last_mean",
+            "prm/good_rate",
+            "rollout/success_rate",
+            "train/grad_norm",
+            "time/label",
+        ):
             assert key in row, key
     assert "eval/valid_seen/success_rate" in rows[1] and "eval/valid_unseen/invalid_action_rate" in rows[1]
     assert len((tmp_path / "labels" / "labels_rank0.jsonl").read_text().splitlines()) == 8
@@ -393,8 +507,14 @@ def test_smoke_api_labeler_then_resume_as_plain_grpo(games_root, tiny_model_dir,
         return 200, judgments(int(content.split("STEPS (")[1].split(" ")[0])), 0.0
 
     with ScriptedEndpoint(behave) as server:
-        endpoint = {k: v for k, v in vars(api_args(server.url)).items() if k.startswith("labeler_") and k != "labeler_max_new_tokens"}
-        args = small_args(games_root, tiny_model_dir, tmp_path, **{**endpoint, "labeler_log_dir": str(tmp_path / "labels")})
+        endpoint = {
+            k: v
+            for k, v in vars(api_args(server.url)).items()
+            if k.startswith("labeler_") and k != "labeler_max_new_tokens"
+        }
+        args = small_args(
+            games_root, tiny_model_dir, tmp_path, **{**endpoint, "labeler_log_dir": str(tmp_path / "labels")}
+        )
         run_dir = adca_grpo.main(args)
     rows = read_metrics(run_dir)
     assert {r["labeler"] for r in rows} == {"api"} and all(r["prm/label_requests"] == 4 for r in rows)
@@ -407,6 +527,10 @@ def test_smoke_api_labeler_then_resume_as_plain_grpo(games_root, tiny_model_dir,
     resumed = adca_grpo.main(adca_grpo.Args(**{**vars(args), "num_updates": 3, "resume": "auto", "attribution": False}))
     assert resumed == run_dir
     rows = read_metrics(run_dir)
-    assert [r["update"] for r in rows] == [1, 2, 3] and rows[2]["labeler"] == "none" and "prm/label_requests" not in rows[2]
+    assert (
+        [r["update"] for r in rows] == [1, 2, 3]
+        and rows[2]["labeler"] == "none"
+        and "prm/label_requests" not in rows[2]
+    )
     state = json.loads((run_dir / "checkpoints" / "update_000003" / "trainer_state.json").read_text())
     assert state["algorithm"] == "adca_grpo" and state["update"] == 3

@@ -38,8 +38,14 @@ def test_fast_env_text_equals_stock_textworld(all_games):
     """Same observations, admissible commands and won flags as ALFWorld's stock TextWorld setup."""
     for game_file in all_games[:: len(all_games) // 4]:
         infos = textworld.EnvInfos(won=True, admissible_commands=True, extras=["gamefile"])
-        env_id = textworld.gym.register_games([game_file], infos, batch_size=1, asynchronous=False,
-                                              max_episode_steps=200, wrappers=[AlfredDemangler, AlfredInfos])
+        env_id = textworld.gym.register_games(
+            [game_file],
+            infos,
+            batch_size=1,
+            asynchronous=False,
+            max_episode_steps=200,
+            wrappers=[AlfredDemangler, AlfredInfos],
+        )
         stock = textworld.gym.make(env_id)
         fast = common.AlfredEnv(game_file)
         obs, info = stock.reset()
@@ -119,8 +125,17 @@ def test_restore_by_snapshot_and_by_replay_reproduce_the_next_steps(all_games):
         again = [(t.observation, t.admissible, t.won) for t in (group.step([c])[0] for c in suffix)]
         assert again == expected
 
-    state = common.SavedState(game_file, 0, prefix, [{"role": "user", "content": "x"}], [1, 2, 3], cut,
-                              turn.observation, turn.admissible, task="t")
+    state = common.SavedState(
+        game_file,
+        0,
+        prefix,
+        [{"role": "user", "content": "x"}],
+        [1, 2, 3],
+        cut,
+        turn.observation,
+        turn.admissible,
+        task="t",
+    )
     state = common.SavedState.from_json(state.to_json())
     with common.EnvGroup(game_file, 2) as fresh:
         restored = fresh.restore(state)
@@ -173,8 +188,19 @@ def test_closing_leaves_no_child_process_or_file_handle(all_games):
 
 
 def test_saved_state_survives_json():
-    state = common.SavedState("g.tw-pddl", 7, ["go to shelf 1"], [{"role": "tool", "content": "é\n\"q\""}], [5, 6],
-                              1, "obs", ["look"], task="t", prefix_step_ids=[-1, 0], prefix_logprobs=[0.0, -0.5])
+    state = common.SavedState(
+        "g.tw-pddl",
+        7,
+        ["go to shelf 1"],
+        [{"role": "tool", "content": 'é\n"q"'}],
+        [5, 6],
+        1,
+        "obs",
+        ["look"],
+        task="t",
+        prefix_step_ids=[-1, 0],
+        prefix_logprobs=[0.0, -0.5],
+    )
     assert common.SavedState.from_json(state.to_json()) == state
 
 
@@ -195,8 +221,10 @@ def test_grammar_code_cannot_run(tmp_path, all_games):
     for refused in ["o.__class__", "().__class__", "open('x')", "[1][0]", "o.name if o else o.id", "f(o)"]:
         with pytest.raises(common.UnsafeGrammarError):
             common._compile_grammar_expression(refused, "g.tw-pddl")
+
     class Info:
         name, id, indefinite = "", "mug_bar_1", "a"
+
     compiled = common._compile_grammar_expression("o.indefinite + ' ' + (o.name or o.id)", "g")
     assert compiled({"o": Info()}) == "a mug_bar_1"
 
@@ -214,7 +242,9 @@ def test_group_rebuilds_itself_when_the_engine_fails(all_games):
                 broken_library = failing.env._lib
                 failing.env.close(reuse_library=False)  # the engine dies under the group
             got = failing.step(commands)
-            assert [(t.observation, t.admissible, t.won) for t in got] == [(t.observation, t.admissible, t.won) for t in expected]
+            assert [(t.observation, t.admissible, t.won) for t in got] == [
+                (t.observation, t.admissible, t.won) for t in expected
+            ]
         assert failing.recoveries == 1 and failing.env._lib is not broken_library
         assert got[0].won
 
@@ -225,8 +255,21 @@ def test_make_games_is_deterministic_and_has_a_cli(tmp_path):
 
     files = common.make_games(tmp_path / "direct", n=2, seed=5, log=lambda *a: None)
     assert len(files) == 2 and all(Path(f).is_file() for f in files)
-    subprocess.run([sys.executable, str(Path(common.__file__)), "make-games", "--out", str(tmp_path / "cli"),
-                    "--n", "2", "--seed", "5"], check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            str(Path(common.__file__)),
+            "make-games",
+            "--out",
+            str(tmp_path / "cli"),
+            "--n",
+            "2",
+            "--seed",
+            "5",
+        ],
+        check=True,
+        capture_output=True,
+    )
     direct = sorted(p.relative_to(tmp_path / "direct") for p in (tmp_path / "direct").rglob("*") if p.is_file())
     cli = sorted(p.relative_to(tmp_path / "cli") for p in (tmp_path / "cli").rglob("*") if p.is_file())
     assert direct == cli and len(direct) == 4

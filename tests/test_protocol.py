@@ -12,27 +12,50 @@ TOOL = '<tool_call>\n{"name": "alfworld_step", "arguments": {"action": "%s"}}\n<
 # --------------------------------------------------------------------------------------------
 # parse_action
 # --------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("text, expected", [
-    (TOOL % "go to cabinet 1", "go to cabinet 1"),
-    ("I should look.\n" + TOOL % "Take  Mug 1 from\tcountertop 2" + "\n  ", "take mug 1 from countertop 2"),
-    ('<tool_call>{"name": "alfworld_step", "arguments": "{\\"action\\": \\"open fridge 1\\"}"}</tool_call>', "open fridge 1"),
-    ("<think>hmm</think><tool_call>\n<function=alfworld_step>\n<parameter=action>\ngo to shelf 2\n</parameter>\n"
-     "</function>\n</tool_call>", "go to shelf 2"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        (TOOL % "go to cabinet 1", "go to cabinet 1"),
+        ("I should look.\n" + TOOL % "Take  Mug 1 from\tcountertop 2" + "\n  ", "take mug 1 from countertop 2"),
+        (
+            '<tool_call>{"name": "alfworld_step", "arguments": "{\\"action\\": \\"open fridge 1\\"}"}</tool_call>',
+            "open fridge 1",
+        ),
+        (
+            "<think>hmm</think><tool_call>\n<function=alfworld_step>\n<parameter=action>\ngo to shelf 2\n</parameter>\n"
+            "</function>\n</tool_call>",
+            "go to shelf 2",
+        ),
+    ],
+)
 def test_parse_action_valid(text, expected):
     assert common.parse_action(text) == expected
 
 
-@pytest.mark.parametrize("text", [
-    "", "go to cabinet 1", TOOL % "look" + " ok", TOOL % "look" + TOOL % "look",
-    '<tool_call>{"name": "other_tool", "arguments": {"action": "look"}}</tool_call>',
-    TOOL % "", TOOL % "   ", TOOL % "go to\\ncabinet 1", '<tool_call>{"name": "alfworld_step"}</tool_call>',
-    '<tool_call>{"name": "alfworld_step", "arguments": {"action": 3}}</tool_call>', "<tool_call>{not json</tool_call>",
-    "<tool_call><function=alfworld_step><parameter=action>a\nb</parameter></function></tool_call>",
-    "<tool_call><function=alfworld_step><parameter=action>a</parameter><parameter=x>b</parameter></function></tool_call>",
-    "<tool_call><function=shell><parameter=action>rm</parameter></function></tool_call>",
-    "</tool_call>", "<tool_call>", None, 42, b"<tool_call></tool_call>",
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "go to cabinet 1",
+        TOOL % "look" + " ok",
+        TOOL % "look" + TOOL % "look",
+        '<tool_call>{"name": "other_tool", "arguments": {"action": "look"}}</tool_call>',
+        TOOL % "",
+        TOOL % "   ",
+        TOOL % "go to\\ncabinet 1",
+        '<tool_call>{"name": "alfworld_step"}</tool_call>',
+        '<tool_call>{"name": "alfworld_step", "arguments": {"action": 3}}</tool_call>',
+        "<tool_call>{not json</tool_call>",
+        "<tool_call><function=alfworld_step><parameter=action>a\nb</parameter></function></tool_call>",
+        "<tool_call><function=alfworld_step><parameter=action>a</parameter><parameter=x>b</parameter></function></tool_call>",
+        "<tool_call><function=shell><parameter=action>rm</parameter></function></tool_call>",
+        "</tool_call>",
+        "<tool_call>",
+        None,
+        42,
+        b"<tool_call></tool_call>",
+    ],
+)
 def test_parse_action_rejects(text):
     assert common.parse_action(text) is None
 
@@ -88,14 +111,18 @@ def _with_template(tokenizer, template):
 def test_incremental_prompt_equals_full_render(tokenizer, template):
     tok = tokenizer if template is None else _with_template(tokenizer, template)
     protocol = common.ChatProtocol(tok)
-    tokens, messages = protocol.initial("You are in a room.\n\nYour task is to: put a mug in shelf.", ["look", "go to shelf 1"])
+    tokens, messages = protocol.initial(
+        "You are in a room.\n\nYour task is to: put a mug in shelf.", ["look", "go to shelf 1"]
+    )
     replies = ["<think>\nfirst the shelf\n</think>\n\n" + TOOL % "go to shelf 1", "no call at all", TOOL % "look"]
     for turn, reply in enumerate(replies):
         completion = protocol.encode(reply) + ([protocol.eos_token_id] if turn != 1 else [])  # turn 1 truncated
         content = protocol.tool_message(common.STATUS_EXECUTED, f"observation {turn}", ["look", "inventory"])
         tokens = tokens + completion + protocol.delta(completion, content)
         messages += [{"role": "assistant", "content": reply}, {"role": "tool", "content": content}]
-        full = tok.apply_chat_template(messages, tools=[common.ALFWORLD_TOOL], tokenize=False, add_generation_prompt=True)
+        full = tok.apply_chat_template(
+            messages, tools=[common.ALFWORLD_TOOL], tokenize=False, add_generation_prompt=True
+        )
         assert tokens == tok.encode(full, add_special_tokens=False)
         assert tok.decode(tokens) == full
 
@@ -148,8 +175,16 @@ def test_rollout_walkthrough_replayer_wins(all_games, protocol):
     starts = _distinct_task_games(all_games, protocol, 3)
     walkthroughs = {s.task: common.load_walkthrough(s.game_file) for s in starts}
     sampler = Scripted(protocol, lambda task, turn: "Going.\n" + TOOL % walkthroughs[task][turn])
-    groups = common.rollout(starts, 2, sampler, protocol, horizon=50, max_episode_steps=50,
-                            max_turn_tokens=64, max_trajectory_tokens=100_000)
+    groups = common.rollout(
+        starts,
+        2,
+        sampler,
+        protocol,
+        horizon=50,
+        max_episode_steps=50,
+        max_turn_tokens=64,
+        max_trajectory_tokens=100_000,
+    )
     lengths = [len(w) for w in walkthroughs.values()]
     assert sampler.calls == max(lengths)
     assert sampler.batch_sizes[0] == 6 and sorted(sampler.batch_sizes, reverse=True) == sampler.batch_sizes
@@ -175,8 +210,9 @@ def test_rollout_walkthrough_replayer_wins(all_games, protocol):
 def test_rollout_garbage_is_invalid_and_env_not_advanced(all_games, protocol):
     starts = _distinct_task_games(all_games, protocol, 2)
     sampler = Scripted(protocol, lambda task, turn: "I refuse to use tools.")
-    groups = common.rollout(starts, 3, sampler, protocol, horizon=4, max_episode_steps=50,
-                            max_turn_tokens=32, max_trajectory_tokens=100_000)
+    groups = common.rollout(
+        starts, 3, sampler, protocol, horizon=4, max_episode_steps=50, max_turn_tokens=32, max_trajectory_tokens=100_000
+    )
     assert sampler.calls == 4 and sampler.batch_sizes == [6] * 4
     for start, group in zip(starts, groups):
         for traj in group:
@@ -189,8 +225,16 @@ def test_rollout_garbage_is_invalid_and_env_not_advanced(all_games, protocol):
 def test_rollout_not_admissible_is_sent_and_marked(all_games, protocol):
     start = _distinct_task_games(all_games, protocol, 1)[0]
     sampler = Scripted(protocol, lambda task, turn: TOOL % "dance wildly")
-    (group,) = common.rollout([start], 1, sampler, protocol, horizon=2, max_episode_steps=50,
-                              max_turn_tokens=64, max_trajectory_tokens=100_000)
+    (group,) = common.rollout(
+        [start],
+        1,
+        sampler,
+        protocol,
+        horizon=2,
+        max_episode_steps=50,
+        max_turn_tokens=64,
+        max_trajectory_tokens=100_000,
+    )
     (traj,) = group
     assert traj.actions == ["dance wildly"] * 2
     assert all(s.valid and not s.admissible and s.observation == "Nothing happens." for s in traj.steps)
@@ -201,16 +245,32 @@ def test_rollout_token_budget_and_max_steps(all_games, protocol):
     start = _distinct_task_games(all_games, protocol, 1)[0]
     sampler = Scripted(protocol, lambda task, turn: "x " * 200 + TOOL % "look")
     budget = len(start.prefix_tokens) + 3 * 64
-    (group,) = common.rollout([start], 2, sampler, protocol, horizon=50, max_episode_steps=50,
-                              max_turn_tokens=64, max_trajectory_tokens=budget)
+    (group,) = common.rollout(
+        [start],
+        2,
+        sampler,
+        protocol,
+        horizon=50,
+        max_episode_steps=50,
+        max_turn_tokens=64,
+        max_trajectory_tokens=budget,
+    )
     for traj in group:
         assert traj.stop_reason == common.STOP_TOKEN_BUDGET
         assert len(traj.tokens) + 64 > budget and 1 <= len(traj.steps) <= 3
         assert all(len(s.completion_tokens) == 64 and not s.valid for s in traj.steps)  # truncated: no call
 
     sampler = Scripted(protocol, lambda task, turn: TOOL % "look")
-    (group,) = common.rollout([start], 1, sampler, protocol, horizon=10, max_episode_steps=4,
-                              max_turn_tokens=64, max_trajectory_tokens=100_000)
+    (group,) = common.rollout(
+        [start],
+        1,
+        sampler,
+        protocol,
+        horizon=10,
+        max_episode_steps=4,
+        max_turn_tokens=64,
+        max_trajectory_tokens=100_000,
+    )
     assert group[0].stop_reason == common.STOP_MAX_STEPS and len(group[0].steps) == 4
 
 
@@ -218,15 +278,31 @@ def test_rollout_continues_from_saved_state_and_drops_bad_ones(all_games, protoc
     start = _distinct_task_games(all_games, protocol, 1)[0]
     walkthrough = common.load_walkthrough(start.game_file)
     sampler = Scripted(protocol, lambda task, turn: TOOL % walkthrough[turn])
-    (first,) = common.rollout([start], 1, sampler, protocol, horizon=2, max_episode_steps=50,
-                              max_turn_tokens=64, max_trajectory_tokens=100_000)
+    (first,) = common.rollout(
+        [start],
+        1,
+        sampler,
+        protocol,
+        horizon=2,
+        max_episode_steps=50,
+        max_turn_tokens=64,
+        max_trajectory_tokens=100_000,
+    )
     saved = common.SavedState.from_json(first[0].saved_state().to_json())
     assert saved.round_index == 2 and saved.actions == walkthrough[:2]
     assert len(saved.prefix_step_ids) == len(saved.prefix_tokens) == len(saved.prefix_logprobs)
     assert set(saved.prefix_step_ids) == {-1, 0, 1}
     tampered = common.SavedState(**{**saved.__dict__, "actions": ["look", "look"]})
-    second, dropped = common.rollout([saved, tampered], 2, sampler, protocol, horizon=50, max_episode_steps=50,
-                                     max_turn_tokens=64, max_trajectory_tokens=100_000)
+    second, dropped = common.rollout(
+        [saved, tampered],
+        2,
+        sampler,
+        protocol,
+        horizon=50,
+        max_episode_steps=50,
+        max_turn_tokens=64,
+        max_trajectory_tokens=100_000,
+    )
     assert dropped == []
     for traj in second:
         assert traj.won and traj.actions == walkthrough and len(traj.steps) == len(walkthrough) - 2

@@ -17,12 +17,30 @@ TOOL = '<tool_call>\n{"name": "alfworld_step", "arguments": {"action": "%s"}}\n<
 def small_args(games_root, tiny_model_dir, output_dir, **overrides) -> tempo.Args:
     """Tiny budgets: T=4 turns in macro steps of H=2, 2 branches, short replies."""
     settings = dict(
-        model=str(tiny_model_dir), data_root=str(games_root), output_dir=str(output_dir), seed=0,
-        macro_rounds=2, max_episode_steps=4, branches=2, critic_samples=2, endpoint_samples=1, states_per_batch=2,
-        warmup_updates=1, warmup_games_per_batch=1, td_updates=2, max_turn_tokens=24, max_critic_tokens=24,
-        max_trajectory_tokens=4096, micro_batch_tokens=4096, sample_batch_size=16, lora_rank=4, lora_alpha=8,
-        save_every=0, eval_every=0, eval_games=1,
-    )  # fmt: skip
+        model=str(tiny_model_dir),
+        data_root=str(games_root),
+        output_dir=str(output_dir),
+        seed=0,
+        macro_rounds=2,
+        max_episode_steps=4,
+        branches=2,
+        critic_samples=2,
+        endpoint_samples=1,
+        states_per_batch=2,
+        warmup_updates=1,
+        warmup_games_per_batch=1,
+        td_updates=2,
+        max_turn_tokens=24,
+        max_critic_tokens=24,
+        max_trajectory_tokens=4096,
+        micro_batch_tokens=4096,
+        sample_batch_size=16,
+        lora_rank=4,
+        lora_alpha=8,
+        save_every=0,
+        eval_every=0,
+        eval_games=1,
+    )
     settings.update(overrides)
     return tempo.Args(**settings)
 
@@ -34,21 +52,24 @@ def read_metrics(run_dir) -> list[dict]:
 # --------------------------------------------------------------------------------------------
 # parse_value
 # --------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("text, expected", [
-    ("<value>0.4</value>", 0.4),
-    ("<value>.4</value>", 0.4),
-    ("<value>1</value>", 1.0),
-    ("<value>1.0</value>", 1.0),
-    ("<value>0</value>", 0.0),
-    ("<VALUE> 0.25 </Value>", 0.25),
-    ("<value>\n0.7\n</value>", 0.7),
-    ("first <value>0.1</value>, on reflection <value>0.8</value>", 0.8),
-    ("<value>1.7</value>", 1.0),
-    ("<value>-0.3</value>", 0.0),
-    ("<value>5e-1</value>", 0.5),
-    ("<value>0.3</value> then <value>high</value>", 0.3),
-    ("I think <value>0.6</value>.<think></think>", 0.6),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("<value>0.4</value>", 0.4),
+        ("<value>.4</value>", 0.4),
+        ("<value>1</value>", 1.0),
+        ("<value>1.0</value>", 1.0),
+        ("<value>0</value>", 0.0),
+        ("<VALUE> 0.25 </Value>", 0.25),
+        ("<value>\n0.7\n</value>", 0.7),
+        ("first <value>0.1</value>, on reflection <value>0.8</value>", 0.8),
+        ("<value>1.7</value>", 1.0),
+        ("<value>-0.3</value>", 0.0),
+        ("<value>5e-1</value>", 0.5),
+        ("<value>0.3</value> then <value>high</value>", 0.3),
+        ("I think <value>0.6</value>.<think></think>", 0.6),
+    ],
+)
 def test_parse_value(text, expected):
     assert parse_equal(tempo.parse_value(text), expected)
 
@@ -57,11 +78,26 @@ def parse_equal(value, expected):
     return value is not None and math.isclose(value, expected)
 
 
-@pytest.mark.parametrize("text", [
-    "", "0.5", "value: 0.5", "<value></value>", "<value>high</value>", "<value>0.5", "0.5</value>",
-    "<value>1e999</value>", "<value>nan</value>", "<value>inf</value>", "<value>0.5.5</value>", "<value>--1</value>",
-    None, 0.5, b"<value>0.5</value>",
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "0.5",
+        "value: 0.5",
+        "<value></value>",
+        "<value>high</value>",
+        "<value>0.5",
+        "0.5</value>",
+        "<value>1e999</value>",
+        "<value>nan</value>",
+        "<value>inf</value>",
+        "<value>0.5.5</value>",
+        "<value>--1</value>",
+        None,
+        0.5,
+        b"<value>0.5</value>",
+    ],
+)
 def test_parse_value_rejects(text):
     assert tempo.parse_value(text) is None
 
@@ -76,7 +112,9 @@ def test_parse_value_huge_input_returns():
 # --------------------------------------------------------------------------------------------
 def test_actor_signals_terminal_branches_are_worth_zero():
     # branch 1 won in the segment (terminal), branch 3 hit T (terminal, its value is ignored)
-    returns, target, advantages = tempo.actor_signals([0.0, 1.0, 0.0, 0.0], [0.5, None, 0.2, 0.9], [False, True, False, True])
+    returns, target, advantages = tempo.actor_signals(
+        [0.0, 1.0, 0.0, 0.0], [0.5, None, 0.2, 0.9], [False, True, False, True]
+    )
     assert returns == pytest.approx([0.5, 1.0, 0.2, 0.0])
     assert target == pytest.approx(0.425)
     assert advantages == pytest.approx([0.075, 0.575, -0.225, -0.425])
@@ -116,22 +154,25 @@ def test_critic_signals_with_parse_failures():
 # --------------------------------------------------------------------------------------------
 # Flags, store, prompts
 # --------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("overrides, flag", [
-    (dict(max_episode_steps=45), "--max-episode-steps"),
-    (dict(macro_rounds=0), "--macro-rounds"),
-    (dict(branches=1), "--branches"),
-    (dict(critic_samples=1), "--critic-samples"),
-    (dict(endpoint_samples=0), "--endpoint-samples"),
-    (dict(state_store_capacity=2, states_per_batch=4), "--state-store-capacity"),
-    (dict(r_max=0.0), "--r-max"),
-    (dict(ppo_clip=(1.5, 0.2)), "--ppo-clip"),
-    (dict(max_trajectory_tokens=512, max_turn_tokens=512), "--max-trajectory-tokens"),
-    (dict(temperature=0.0), "--temperature"),
-    (dict(top_p=1.5), "--top-p"),
-    (dict(task_types=("pick_and_fly",)), "--task-types"),
-    (dict(resume="auto", eval_only="x"), "--resume"),
-    (dict(exp_name="a__b"), "--exp-name"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "overrides, flag",
+    [
+        (dict(max_episode_steps=45), "--max-episode-steps"),
+        (dict(macro_rounds=0), "--macro-rounds"),
+        (dict(branches=1), "--branches"),
+        (dict(critic_samples=1), "--critic-samples"),
+        (dict(endpoint_samples=0), "--endpoint-samples"),
+        (dict(state_store_capacity=2, states_per_batch=4), "--state-store-capacity"),
+        (dict(r_max=0.0), "--r-max"),
+        (dict(ppo_clip=(1.5, 0.2)), "--ppo-clip"),
+        (dict(max_trajectory_tokens=512, max_turn_tokens=512), "--max-trajectory-tokens"),
+        (dict(temperature=0.0), "--temperature"),
+        (dict(top_p=1.5), "--top-p"),
+        (dict(task_types=("pick_and_fly",)), "--task-types"),
+        (dict(resume="auto", eval_only="x"), "--resume"),
+        (dict(exp_name="a__b"), "--exp-name"),
+    ],
+)
 def test_invalid_flags_fail_at_start_naming_the_flag(overrides, flag):
     with pytest.raises(ValueError, match=flag):
         tempo.main(tempo.Args(**overrides))
@@ -153,13 +194,18 @@ def test_critic_prompt_condenses_history_and_holds_the_walkthrough(all_games, pr
     game = all_games[0]
     walkthrough = common.load_walkthrough(game)
     scripted = iter([TOOL % walkthrough[0], "no tool call here"])
-    sampler = lambda prompts, n: [common.Completion(protocol.encode(t), [0.0] * len(protocol.encode(t)), t)
-                                  for t in [next(scripted) for _ in prompts]]  # fmt: skip
+    sampler = lambda prompts, n: [
+        common.Completion(protocol.encode(t), [0.0] * len(protocol.encode(t)), t)
+        for t in [next(scripted) for _ in prompts]
+    ]
     start = common.fresh_state(game, protocol)
-    (group,) = common.rollout([start], 1, sampler, protocol, horizon=2, max_episode_steps=10, max_turn_tokens=64,
-                              max_trajectory_tokens=8192)  # fmt: skip
+    (group,) = common.rollout(
+        [start], 1, sampler, protocol, horizon=2, max_episode_steps=10, max_turn_tokens=64, max_trajectory_tokens=8192
+    )
     traj = group[0]
-    text = tokenizer.decode(tempo.critic_prompt(tokenizer, traj.start.task, walkthrough, traj.messages, traj.round_index, 10))
+    text = tokenizer.decode(
+        tempo.critic_prompt(tokenizer, traj.start.task, walkthrough, traj.messages, traj.round_index, 10)
+    )
     reference = "\n".join(f"{i + 1}. {a}" for i, a in enumerate(walkthrough))
     assert tempo.PRIVILEGED_HEADER + "\n" + reference in text
     assert "Admissible actions" not in text and "alfworld_step" not in text  # no action lists, no tools
@@ -184,17 +230,35 @@ def runtime(games_root, tiny_model_dir, tmp_path):
 
 def test_actor_loss_mask_covers_only_the_segments_generated_tokens(runtime):
     rt = runtime()
-    (first,) = common.rollout([rt.fresh_state()], 1, rt.sample_fn, rt.protocol, horizon=2, max_episode_steps=4,
-                              max_turn_tokens=24, max_trajectory_tokens=4096)  # fmt: skip
+    (first,) = common.rollout(
+        [rt.fresh_state()],
+        1,
+        rt.sample_fn,
+        rt.protocol,
+        horizon=2,
+        max_episode_steps=4,
+        max_turn_tokens=24,
+        max_trajectory_tokens=4096,
+    )
     saved = first[0].saved_state()
     assert any(k >= 0 for k in saved.prefix_step_ids)  # the prefix holds generated tokens of turns 0-1
-    (second,) = common.rollout([saved], 1, rt.sample_fn, rt.protocol, horizon=2, max_episode_steps=4,
-                               max_turn_tokens=24, max_trajectory_tokens=4096)  # fmt: skip
+    (second,) = common.rollout(
+        [saved],
+        1,
+        rt.sample_fn,
+        rt.protocol,
+        horizon=2,
+        max_episode_steps=4,
+        max_turn_tokens=24,
+        max_trajectory_tokens=4096,
+    )
     traj = second[0]
     datum = tempo.actor_datum(traj, 0.5)
     expected = [0.0] * len(datum.tokens)
     for step in traj.steps:
-        expected[step.prompt_length : step.prompt_length + len(step.completion_tokens)] = [1.0] * len(step.completion_tokens)
+        expected[step.prompt_length : step.prompt_length + len(step.completion_tokens)] = [1.0] * len(
+            step.completion_tokens
+        )
     assert datum.mask == expected
     assert not any(datum.mask[: len(saved.prefix_tokens)])  # the saved prefix's own generated tokens are context
     assert datum.advantages == [0.5 * m for m in datum.mask]
@@ -208,8 +272,9 @@ def test_sampling_logprobs_equal_a_teacher_forced_pass_per_token(runtime, temper
     prompts = [rt.fresh_state().prefix_tokens, rt.fresh_state().prefix_tokens[:40], [1, 2, 3]]
     replies = rt.sample_fn(prompts, 24)
     sequences = [p + r.tokens for p, r in zip(prompts, replies)]
-    forced = tempo.sequence_logprobs(rt.model, rt.accelerator, sequences, temperature, rt.tokenizer.pad_token_id,
-                                     rt.args.micro_batch_tokens)  # fmt: skip
+    forced = tempo.sequence_logprobs(
+        rt.model, rt.accelerator, sequences, temperature, rt.tokenizer.pad_token_id, rt.args.micro_batch_tokens
+    )
     for prompt, reply, logprobs in zip(prompts, replies, forced):
         assert len(reply.tokens) == len(reply.logprobs) >= 1
         assert reply.logprobs == pytest.approx(logprobs[len(prompt) :], abs=1e-4)
@@ -224,8 +289,14 @@ def test_update_moves_logprob_with_the_advantage_sign(runtime, sign):
     masked = [i for i, m in enumerate(datum.mask) if m]
 
     def logprob_sum():
-        (logprobs,) = tempo.sequence_logprobs(rt.model, rt.accelerator, [datum.tokens], rt.args.temperature,
-                                              rt.tokenizer.pad_token_id, rt.args.micro_batch_tokens)  # fmt: skip
+        (logprobs,) = tempo.sequence_logprobs(
+            rt.model,
+            rt.accelerator,
+            [datum.tokens],
+            rt.args.temperature,
+            rt.tokenizer.pad_token_id,
+            rt.args.micro_batch_tokens,
+        )
         return sum(logprobs[i] for i in masked)
 
     before = logprob_sum()
@@ -278,8 +349,14 @@ def scored_script(rt, seed=0):
                 admissible = text.rsplit("Admissible actions: ", 1)[1].split("\n")[0].split(", ")
                 replies.append(TOOL % rng.choice(admissible))
         tokens = [tokenizer.encode(r, add_special_tokens=False) + [tokenizer.eos_token_id] for r in replies]
-        logprobs = tempo.sequence_logprobs(rt.model, rt.accelerator, [p + t for p, t in zip(prompts, tokens)],
-                                           rt.args.temperature, tokenizer.pad_token_id, rt.args.micro_batch_tokens)  # fmt: skip
+        logprobs = tempo.sequence_logprobs(
+            rt.model,
+            rt.accelerator,
+            [p + t for p, t in zip(prompts, tokens)],
+            rt.args.temperature,
+            tokenizer.pad_token_id,
+            rt.args.micro_batch_tokens,
+        )
         return [common.Completion(t, lp[len(p) :], r) for p, t, lp, r in zip(prompts, tokens, logprobs, replies)]
 
     return sample, seen
@@ -333,7 +410,8 @@ def test_warmup_update_trains_the_critic_on_boundary_states(runtime):
     assert metrics["critic/parse_failure_rate"] == 0 and metrics["train/tokens"] > 0
     assert metrics["critic/value_target_mean"] == metrics["warmup/success_rate"]
     assert len(seen["critic"]) == 4 * 4 and {"Steps taken: 0 of 4", "Steps taken: 2 of 4"} == {
-        line.split(" (")[0] for text in seen["critic"] for line in text.splitlines() if line.startswith("Steps taken")}
+        line.split(" (")[0] for text in seen["critic"] for line in text.splitlines() if line.startswith("Steps taken")
+    }
     assert samples and samples[0]["critic_reply"]
 
 
@@ -356,8 +434,17 @@ def test_smoke_run_second_td_update_consumes_stored_states(smoke_run):
     assert warmup["warmup/boundary_states"] == 2 * 2 and "critic/parse_failure_rate" in warmup
     assert td1["td/fresh_states"] == 2 and td1["td/new_endpoints"] == 4 and td1["td/store_size"] == 4
     assert td2["td/fresh_states"] == 0 and td2["td/restore_failures"] == 0 and td2["td/macro_index_mean"] == 1
-    for key in ("rollout/valid_format_rate", "rollout/admissible_rate", "rollout/steps", "critic/value_target_mean",
-                "actor/degenerate_group_rate", "actor/macro_boundary_rate", "time/rollout", "time/critic", "time/update"):
+    for key in (
+        "rollout/valid_format_rate",
+        "rollout/admissible_rate",
+        "rollout/steps",
+        "critic/value_target_mean",
+        "actor/degenerate_group_rate",
+        "actor/macro_boundary_rate",
+        "time/rollout",
+        "time/critic",
+        "time/update",
+    ):
         assert key in td1, key
     assert "eval/valid_seen/success_rate" in td2 and "eval/valid_unseen/invalid_action_rate" in td2
     assert (run_dir / "checkpoints" / "update_000003" / "adapter_model.safetensors").is_file()

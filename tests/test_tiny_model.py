@@ -22,25 +22,38 @@ def test_tiny_model_builds_reloads_and_renders_offline(tmp_path, tiny_model_dir)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     assert model.config.model_type == "qwen2" and sum(p.numel() for p in model.parameters()) < 1_000_000
     assert tokenizer.eos_token == "<|im_end|>" and tokenizer.pad_token == "<|endoftext|>"
-    assert all(len(tokenizer.encode(t, add_special_tokens=False)) == 1 for t in ("<tool_call>", "</tool_call>", "<think>"))
+    assert all(
+        len(tokenizer.encode(t, add_special_tokens=False)) == 1 for t in ("<tool_call>", "</tool_call>", "<think>")
+    )
 
     text = "You arrive at countertop 2. On the countertop 2, you see a mug 1.\n\tÉtagère ✓"
     assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) == text
     messages = [
         {"role": "system", "content": "sys"},
         {"role": "user", "content": "Your task is to: put a mug in shelf."},
-        {"role": "assistant", "content": '<tool_call>\n{"name": "alfworld_step", "arguments": {"action": "look"}}\n</tool_call>'},
+        {
+            "role": "assistant",
+            "content": '<tool_call>\n{"name": "alfworld_step", "arguments": {"action": "look"}}\n</tool_call>',
+        },
         {"role": "tool", "content": "Nothing happens."},
     ]
-    rendered = tokenizer.apply_chat_template(messages, tools=[common.ALFWORLD_TOOL], tokenize=False, add_generation_prompt=True)
+    rendered = tokenizer.apply_chat_template(
+        messages, tools=[common.ALFWORLD_TOOL], tokenize=False, add_generation_prompt=True
+    )
     assert rendered.startswith("<|im_start|>system\nsys\n\n# Tools\n")
     assert '"name": "alfworld_step"' in rendered
     assert "<|im_start|>user\n<tool_response>\nNothing happens.\n</tool_response><|im_end|>\n" in rendered
     assert rendered.endswith("<|im_start|>assistant\n")
 
     ids = torch.tensor([tokenizer.encode(rendered, add_special_tokens=False)])
-    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, top_k=0,
-                         max_new_tokens=8, pad_token_id=tokenizer.pad_token_id)
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=True,
+        top_k=0,
+        max_new_tokens=8,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     assert out.shape[1] > ids.shape[1]
 
 

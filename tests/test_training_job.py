@@ -28,17 +28,48 @@ import tempo
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = {"tempo": tempo, "adca_grpo": adca_grpo}
 JUDGE_KEY_ENV = "TRAINING_JOB_JUDGE_KEY"
-SHARED = dict(seed=0, max_turn_tokens=16, max_trajectory_tokens=4096, micro_batch_tokens=4096, sample_batch_size=16,
-              lora_rank=4, lora_alpha=8, learning_rate=1e-2, save_every=1, eval_every=0, eval_games=1)  # fmt: skip
+SHARED = dict(
+    seed=0,
+    max_turn_tokens=16,
+    max_trajectory_tokens=4096,
+    micro_batch_tokens=4096,
+    sample_batch_size=16,
+    lora_rank=4,
+    lora_alpha=8,
+    learning_rate=1e-2,
+    save_every=1,
+    eval_every=0,
+    eval_games=1,
+)
 BUDGETS = {
     # warm-up, then two TD updates: the second one starts from states the first one stored
-    "tempo": dict(macro_rounds=2, max_episode_steps=4, branches=2, critic_samples=2, endpoint_samples=1, states_per_batch=2,
-                  warmup_updates=1, warmup_games_per_batch=1, td_updates=2, max_critic_tokens=16),
+    "tempo": dict(
+        macro_rounds=2,
+        max_episode_steps=4,
+        branches=2,
+        critic_samples=2,
+        endpoint_samples=1,
+        states_per_batch=2,
+        warmup_updates=1,
+        warmup_games_per_batch=1,
+        td_updates=2,
+        max_critic_tokens=16,
+    ),
     # every trajectory labelled by the judge below: its GOOD/BAD labels give non-zero advantages, so the adapter trains
-    "adca_grpo": dict(num_updates=3, games_per_update=2, trajectories_per_game=2, max_turns=2, alpha=0.5, skip_type="none",
-                      labeler_backend="api", labeler_model="judge", labeler_api_key_env=JUDGE_KEY_ENV, labeler_concurrency=2,
-                      labeler_max_new_tokens=16),
-}  # fmt: skip
+    "adca_grpo": dict(
+        num_updates=3,
+        games_per_update=2,
+        trajectories_per_game=2,
+        max_turns=2,
+        alpha=0.5,
+        skip_type="none",
+        labeler_backend="api",
+        labeler_model="judge",
+        labeler_api_key_env=JUDGE_KEY_ENV,
+        labeler_concurrency=2,
+        labeler_max_new_tokens=16,
+    ),
+}
 KILL_AFTER = {"tempo": 2, "adca_grpo": 1}  # SIGKILL during the update after this checkpoint (TEMPO: the store is full)
 TIMING_KEYS = re.compile(r"^time/|^prm/latency_")  # wall-clock metrics: never equal across runs
 
@@ -49,7 +80,11 @@ def judge_endpoint(delay_s: float = 0.0) -> ScriptedEndpoint:
     def behave(content, attempt):
         steps = int(content.split("STEPS (")[1].split(" ")[0])
         labels = [hashlib.sha256(f"{content}{j}".encode()).digest()[0] % 2 for j in range(steps)]
-        return 200, "\n".join(f"Step {j + 1} Judgment: {'GOOD' if good else 'BAD'}" for j, good in enumerate(labels)), delay_s
+        return (
+            200,
+            "\n".join(f"Step {j + 1} Judgment: {'GOOD' if good else 'BAD'}" for j, good in enumerate(labels)),
+            delay_s,
+        )
 
     return ScriptedEndpoint(behave)
 
@@ -64,8 +99,15 @@ def judge():
 
 def settings(name, games_root, tiny_model_dir, output_dir, judge_url="", **overrides) -> dict:
     extra = {"labeler_base_url": judge_url} if name == "adca_grpo" else {}
-    return {**SHARED, **BUDGETS[name], **extra, "model": str(tiny_model_dir), "data_root": str(games_root),
-            "output_dir": str(output_dir), **overrides}  # fmt: skip
+    return {
+        **SHARED,
+        **BUDGETS[name],
+        **extra,
+        "model": str(tiny_model_dir),
+        "data_root": str(games_root),
+        "output_dir": str(output_dir),
+        **overrides,
+    }
 
 
 def cli(values: dict) -> list[str]:
@@ -110,8 +152,13 @@ def killed_job(games_root, tiny_model_dir, tmp_path_factory, judge):
         values = settings(name, games_root, tiny_model_dir, out / "killed", judge.url)
         stderr_path = out / "killed.stderr"
         with open(stderr_path, "w") as stderr:
-            job = subprocess.Popen([sys.executable, str(ROOT / f"{name}.py"), *cli(values)], cwd=out, env=job_env(),
-                                   stdout=subprocess.DEVNULL, stderr=stderr)  # fmt: skip
+            job = subprocess.Popen(
+                [sys.executable, str(ROOT / f"{name}.py"), *cli(values)],
+                cwd=out,
+                env=job_env(),
+                stdout=subprocess.DEVNULL,
+                stderr=stderr,
+            )
         # Kill once checkpoint k exists and the next update has played its first turn (the turn bar says so).
         started = re.compile(rf"\[checkpoint\][^\n]*update_{KILL_AFTER[name]:06d}.*rollout: 1turn", re.DOTALL)
         deadline = time.monotonic() + 120
@@ -193,24 +240,44 @@ def test_checkpoint_round_trip_continues_exactly(name, games_root, tiny_model_di
 
     def step(rt):
         start = common.fresh_state(rt.games[0], rt.protocol)
-        (group,) = common.rollout([start], 2, rt.sample_fn, rt.protocol, horizon=2, max_episode_steps=2, max_turn_tokens=16,
-                                  max_trajectory_tokens=4096)  # fmt: skip
+        (group,) = common.rollout(
+            [start],
+            2,
+            rt.sample_fn,
+            rt.protocol,
+            horizon=2,
+            max_episode_steps=2,
+            max_turn_tokens=16,
+            max_trajectory_tokens=4096,
+        )
         datums = []
         for traj, advantage in zip(group, (1.0, -1.0)):
             tokens, old_logprobs, step_ids = traj.sequence()
             mask = [float(k >= 0) for k in step_ids]
             datums.append(module.Datum(tokens, old_logprobs, [advantage * m for m in mask], mask))
-        metrics = module.train_step(rt.model, rt.optimizer, accelerator, datums, temperature=1.0, pad_id=rt.tokenizer.pad_token_id,
-                                    micro_batch_tokens=4096, max_grad_norm=1.0)  # fmt: skip
+        metrics = module.train_step(
+            rt.model,
+            rt.optimizer,
+            accelerator,
+            datums,
+            temperature=1.0,
+            pad_id=rt.tokenizer.pad_token_id,
+            micro_batch_tokens=4096,
+            max_grad_norm=1.0,
+        )
         assert metrics["train/grad_norm"] > 0 and metrics["train/nonfinite_skipped"] == 0
         return [traj.tokens for traj in group]
 
     def trainable(rt):
-        return {n: p.detach().clone() for n, p in accelerator.unwrap_model(rt.model).named_parameters() if p.requires_grad}
+        return {
+            n: p.detach().clone() for n, p in accelerator.unwrap_model(rt.model).named_parameters() if p.requires_grad
+        }
 
     straight = runtime(0)
     step(straight)
-    checkpoint = module.save_checkpoint(tmp_path / "run", 1, straight.model, straight.optimizer, accelerator, name, {}, {})
+    checkpoint = module.save_checkpoint(
+        tmp_path / "run", 1, straight.model, straight.optimizer, accelerator, name, {}, {}
+    )
     samples = [step(straight), step(straight)]
 
     resumed = runtime(123)
@@ -219,18 +286,23 @@ def test_checkpoint_round_trip_continues_exactly(name, games_root, tiny_model_di
     for key, value in trainable(straight).items():
         torch.testing.assert_close(trainable(resumed)[key], value, rtol=0, atol=0)
     assert json.loads((checkpoint / "trainer_state.json").read_text())["adapter_sha256"] == module.adapter_sha256(
-        load_file(checkpoint / "adapter_model.safetensors"))  # fmt: skip
+        load_file(checkpoint / "adapter_model.safetensors")
+    )
 
 
 # =============================================================================================
 # --eval-only
 # =============================================================================================
-def test_eval_only_on_a_checkpoint_same_metrics_in_both_scripts(killed_job, games_root, tiny_model_dir, tmp_path, judge):
+def test_eval_only_on_a_checkpoint_same_metrics_in_both_scripts(
+    killed_job, games_root, tiny_model_dir, tmp_path, judge
+):
     names = {}
     for name, module in SCRIPTS.items():
         _, run_dir, _ = killed_job(name)
         checkpoint = checkpoints(run_dir)[-1]
-        values = settings(name, games_root, tiny_model_dir, tmp_path / name, judge.url, eval_only=str(checkpoint), eval_games=2)
+        values = settings(
+            name, games_root, tiny_model_dir, tmp_path / name, judge.url, eval_only=str(checkpoint), eval_games=2
+        )
         eval_dir = module.main(module.Args(**values))
         (row,) = read_rows(eval_dir / "metrics.jsonl")
         assert row["update"] == total_updates(name) and row["checkpoint"] == str(checkpoint)
@@ -244,19 +316,22 @@ def test_eval_only_on_a_checkpoint_same_metrics_in_both_scripts(killed_job, game
 # Bad input fails at start, with a message that names the flag
 # =============================================================================================
 @pytest.mark.parametrize("name", SCRIPTS)
-@pytest.mark.parametrize("overrides, message", [
-    (dict(split="test"), "--split"),
-    (dict(seed=-1), "--seed"),
-    (dict(task_types=()), "--task-types"),
-    (dict(eval_only="auto", eval_games=0), "--eval-only needs --eval-games"),
-    (dict(track=True, wandb_project=""), "--wandb-project"),
-    (dict(model="no-such-org/no-such-model"), "--model"),
-    (dict(model="/no/such/model"), "--model"),
-    (dict(data_root="/no/such/alfworld"), "--data-root"),
-    (dict(output_dir="{file}/runs"), "--output-dir"),
-    (dict(resume="/no/such/checkpoint"), "--resume"),
-    (dict(eval_only="auto"), "--eval-only auto: no checkpoint"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(split="test"), "--split"),
+        (dict(seed=-1), "--seed"),
+        (dict(task_types=()), "--task-types"),
+        (dict(eval_only="auto", eval_games=0), "--eval-only needs --eval-games"),
+        (dict(track=True, wandb_project=""), "--wandb-project"),
+        (dict(model="no-such-org/no-such-model"), "--model"),
+        (dict(model="/no/such/model"), "--model"),
+        (dict(data_root="/no/such/alfworld"), "--data-root"),
+        (dict(output_dir="{file}/runs"), "--output-dir"),
+        (dict(resume="/no/such/checkpoint"), "--resume"),
+        (dict(eval_only="auto"), "--eval-only auto: no checkpoint"),
+    ],
+)
 def test_bad_input_fails_at_start(name, overrides, message, games_root, tiny_model_dir, tmp_path, judge):
     (tmp_path / "file").write_text("")
     overrides = {k: v.format(file=tmp_path / "file") if isinstance(v, str) else v for k, v in overrides.items()}
@@ -281,13 +356,18 @@ def corrupt_truncated_optimizer(checkpoint: Path):
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
-@pytest.mark.parametrize("corrupt, overrides, message", [
-    (corrupt_truncated_adapter, {}, "corrupt or incomplete checkpoint"),
-    (corrupt_garbage_state, {}, "corrupt or incomplete checkpoint"),
-    (corrupt_truncated_optimizer, {}, "corrupt or incomplete checkpoint"),
-    (None, {"lora_rank": 8}, "--lora-rank 8 does not match"),
-])  # fmt: skip
-def test_bad_checkpoint_fails_at_start(name, corrupt, overrides, message, killed_job, games_root, tiny_model_dir, tmp_path, judge):
+@pytest.mark.parametrize(
+    "corrupt, overrides, message",
+    [
+        (corrupt_truncated_adapter, {}, "corrupt or incomplete checkpoint"),
+        (corrupt_garbage_state, {}, "corrupt or incomplete checkpoint"),
+        (corrupt_truncated_optimizer, {}, "corrupt or incomplete checkpoint"),
+        (None, {"lora_rank": 8}, "--lora-rank 8 does not match"),
+    ],
+)
+def test_bad_checkpoint_fails_at_start(
+    name, corrupt, overrides, message, killed_job, games_root, tiny_model_dir, tmp_path, judge
+):
     module = SCRIPTS[name]
     _, run_dir, _ = killed_job(name)
     copy = tmp_path / "runs" / run_dir.name
@@ -305,13 +385,19 @@ def test_bad_checkpoint_fails_at_start(name, corrupt, overrides, message, killed
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
-def test_checkpoint_of_the_other_algorithm_fails_at_start(name, killed_job, games_root, tiny_model_dir, tmp_path, judge):
+def test_checkpoint_of_the_other_algorithm_fails_at_start(
+    name, killed_job, games_root, tiny_model_dir, tmp_path, judge
+):
     other = "adca_grpo" if name == "tempo" else "tempo"
     checkpoint = checkpoints(killed_job(other)[1])[-1]
     module = SCRIPTS[name]
     for flag in ("resume", "eval_only"):
         with pytest.raises(ValueError, match=f"checkpoint of '{other}'; this script trains '{name}'"):
-            module.main(module.Args(**settings(name, games_root, tiny_model_dir, tmp_path, judge.url, **{flag: str(checkpoint)})))
+            module.main(
+                module.Args(
+                    **settings(name, games_root, tiny_model_dir, tmp_path, judge.url, **{flag: str(checkpoint)})
+                )
+            )
 
 
 # =============================================================================================
@@ -324,16 +410,32 @@ def test_nonfinite_loss_skips_the_step(name, games_root, tiny_model_dir, tmp_pat
     accelerator = module.make_accelerator()
     module.seed_everything(0)
     rt = module.make_runtime(args, accelerator)
-    (group,) = common.rollout([common.fresh_state(rt.games[0], rt.protocol)], 1, rt.sample_fn, rt.protocol, horizon=2,
-                              max_episode_steps=2, max_turn_tokens=16, max_trajectory_tokens=4096)  # fmt: skip
+    (group,) = common.rollout(
+        [common.fresh_state(rt.games[0], rt.protocol)],
+        1,
+        rt.sample_fn,
+        rt.protocol,
+        horizon=2,
+        max_episode_steps=2,
+        max_turn_tokens=16,
+        max_trajectory_tokens=4096,
+    )
     tokens, old_logprobs, step_ids = group[0].sequence()
     mask = [float(k >= 0) for k in step_ids]
 
     def train(advantage):
         before = {n: p.detach().clone() for n, p in rt.model.named_parameters() if p.requires_grad}
         datum = module.Datum(tokens, old_logprobs, [advantage * m for m in mask], mask)
-        metrics = module.train_step(rt.model, rt.optimizer, accelerator, [datum], temperature=1.0,
-                                    pad_id=rt.tokenizer.pad_token_id, micro_batch_tokens=4096, max_grad_norm=1.0)  # fmt: skip
+        metrics = module.train_step(
+            rt.model,
+            rt.optimizer,
+            accelerator,
+            [datum],
+            temperature=1.0,
+            pad_id=rt.tokenizer.pad_token_id,
+            micro_batch_tokens=4096,
+            max_grad_norm=1.0,
+        )
         changed = any(not torch.equal(before[n], p) for n, p in rt.model.named_parameters() if p.requires_grad)
         return metrics, changed
 
@@ -342,7 +444,11 @@ def test_nonfinite_loss_skips_the_step(name, games_root, tiny_model_dir, tmp_pat
     metrics, changed = train(1.0)  # a finite step with a learning rate of 1e30: the weights explode...
     assert metrics["train/nonfinite_skipped"] == 0 and changed
     metrics, changed = train(1.0)  # ...and the next loss is not finite: skipped, weights untouched
-    assert metrics["train/nonfinite_skipped"] == 1 and not changed and not torch.isfinite(torch.tensor(metrics["train/loss"]))
+    assert (
+        metrics["train/nonfinite_skipped"] == 1
+        and not changed
+        and not torch.isfinite(torch.tensor(metrics["train/loss"]))
+    )
     assert capsys.readouterr().err.count("step skipped") == 2
 
 
@@ -353,10 +459,28 @@ def launch(name, values: dict, tmp_path: Path, timeout_s: int = 240) -> tuple[su
     """`accelerate launch` with 2 CPU processes under `timeout`; returns the result and the pids of any process of
     the job still alive after it ended (found by a marker in their environment; they are killed)."""
     marker = uuid.uuid4().hex
-    command = ["timeout", "-k", "10", str(timeout_s), str(Path(sys.executable).parent / "accelerate"), "launch", "--multi_gpu",
-               "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-               str(ROOT / f"{name}.py"), *cli(values)]  # fmt: skip
-    env = job_env(WANDB_MODE="offline", WANDB_DIR=str(tmp_path / "wandb"), OMP_NUM_THREADS="1", TRAINING_JOB_MARKER=marker)
+    command = [
+        "timeout",
+        "-k",
+        "10",
+        str(timeout_s),
+        str(Path(sys.executable).parent / "accelerate"),
+        "launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        str(ROOT / f"{name}.py"),
+        *cli(values),
+    ]
+    env = job_env(
+        WANDB_MODE="offline", WANDB_DIR=str(tmp_path / "wandb"), OMP_NUM_THREADS="1", TRAINING_JOB_MARKER=marker
+    )
     result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout_s + 30)
     time.sleep(1.0)  # let exiting children go
     leftovers = []
@@ -375,8 +499,15 @@ def test_two_process_job(name, games_root, tiny_model_dir, tmp_path, monkeypatch
     module, n = SCRIPTS[name], total_updates(name)
     monkeypatch.setenv(JUDGE_KEY_ENV, "not-a-secret")  # inherited by the job
     with judge_endpoint(delay_s=0.1) if name == "adca_grpo" else contextlib.nullcontext() as judge:
-        values = settings(name, games_root, tiny_model_dir, tmp_path / "runs", judge.url if judge else "", track=True,
-                          **({"labeler_log_dir": str(tmp_path / "labels")} if judge else {}))  # fmt: skip
+        values = settings(
+            name,
+            games_root,
+            tiny_model_dir,
+            tmp_path / "runs",
+            judge.url if judge else "",
+            track=True,
+            **({"labeler_log_dir": str(tmp_path / "labels")} if judge else {}),
+        )
         (tmp_path / "wandb").mkdir()
         result, leftovers = launch(name, values, tmp_path)
     assert result.returncode == 0, result.stderr[-5000:]
