@@ -265,7 +265,8 @@ def check_model(model: str) -> None:
 
 def training_games(args, accelerator) -> tuple[str, list[str]]:
     """(data root, this process's shard of the training games, shuffled with the seed); fails naming --data-root."""
-    data_root = args.data_root or str(common.default_data_root())
+    with accelerator.main_process_first():  # the offline game set is generated once, not once per process
+        data_root = args.data_root or str(common.default_data_root())
     try:
         games = common.discover_games(data_root, args.split, args.task_types, seed=args.seed)
     except FileNotFoundError as error:
