@@ -1674,7 +1674,7 @@ def adca_update(rt: Runtime, update: int) -> tuple[dict, list[dict]]:
 
     metrics.update(rollout_metrics(trajectories, groups))
     generated = [a for advantages in step_advantages for a in advantages]
-    metrics["adv/step_abs_mean"] = math.fsum(abs(a) for a in generated) / max(1, len(generated))
+    metrics["train/step_advantage_abs_mean"] = math.fsum(abs(a) for a in generated) / max(1, len(generated))
     metrics.update(
         {"time/rollout": t_rollout - t0, "time/label": t_label - t_rollout, "time/update": t_update - t_label}
     )
