@@ -28,6 +28,20 @@ def timed(fn, repeats):
     return statistics.median(times)
 
 
+def stock_env(game_file):
+    """A game in stock TextWorld with ALFWorld's wrappers, as ALFWorld trains on it."""
+    infos = textworld.EnvInfos(won=True, admissible_commands=True, extras=["gamefile"])
+    env_id = textworld.gym.register_games(
+        [game_file],
+        infos,
+        batch_size=1,
+        asynchronous=False,
+        max_episode_steps=1000,
+        wrappers=[AlfredDemangler, AlfredInfos],
+    )
+    return textworld.gym.make(env_id)
+
+
 def long_command_list(game_file, length):
     """Walkthrough commands padded with idle moves up to `length` (all admissible or harmless)."""
     commands = []
@@ -57,16 +71,7 @@ def main():
         f"{'stock step':>11s} {'ours step':>10s} {'x':>6s}"
     )
     for game_file in games:
-        infos = textworld.EnvInfos(won=True, admissible_commands=True, extras=["gamefile"])
-        env_id = textworld.gym.register_games(
-            [game_file],
-            infos,
-            batch_size=1,
-            asynchronous=False,
-            max_episode_steps=1000,
-            wrappers=[AlfredDemangler, AlfredInfos],
-        )
-        stock = textworld.gym.make(env_id)
+        stock = stock_env(game_file)
         start = time.perf_counter()
         ours = common.AlfredEnv(game_file)
         cold = time.perf_counter() - start
@@ -104,16 +109,7 @@ def main():
     print(f"\nrestore on {Path(game_file).parent.parent.name}: snapshot (in-process) vs replay (portable, verified)")
     print(f"{'actions':>8s} {'snapshot':>10s} {'replay':>10s} {'x':>8s} {'stock replay':>13s}")
     group = common.EnvGroup(game_file, 1)
-    infos = textworld.EnvInfos(won=True, admissible_commands=True)
-    env_id = textworld.gym.register_games(
-        [game_file],
-        infos,
-        batch_size=1,
-        asynchronous=False,
-        max_episode_steps=1000,
-        wrappers=[AlfredDemangler, AlfredInfos],
-    )
-    stock = textworld.gym.make(env_id)
+    stock = stock_env(game_file)
     for length in (5, 10, 20, 40):
         commands = long_command_list(game_file, length)
         group.reset()

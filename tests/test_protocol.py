@@ -161,6 +161,28 @@ class Scripted:
         return out
 
 
+def play(
+    starts,
+    branches,
+    sampler,
+    protocol,
+    horizon=50,
+    max_episode_steps=50,
+    max_turn_tokens=64,
+    max_trajectory_tokens=100_000,
+):
+    return common.rollout(
+        starts,
+        branches,
+        sampler,
+        protocol,
+        horizon=horizon,
+        max_episode_steps=max_episode_steps,
+        max_turn_tokens=max_turn_tokens,
+        max_trajectory_tokens=max_trajectory_tokens,
+    )
+
+
 def _distinct_task_games(all_games, protocol, k):
     chosen, tasks = [], set()
     for game_file in all_games:
@@ -175,16 +197,7 @@ def test_rollout_walkthrough_replayer_wins(all_games, protocol):
     starts = _distinct_task_games(all_games, protocol, 3)
     walkthroughs = {s.task: common.load_walkthrough(s.game_file) for s in starts}
     sampler = Scripted(protocol, lambda task, turn: "Going.\n" + TOOL % walkthroughs[task][turn])
-    groups = common.rollout(
-        starts,
-        2,
-        sampler,
-        protocol,
-        horizon=50,
-        max_episode_steps=50,
-        max_turn_tokens=64,
-        max_trajectory_tokens=100_000,
-    )
+    groups = play(starts, 2, sampler, protocol)
     lengths = [len(w) for w in walkthroughs.values()]
     assert sampler.calls == max(lengths)
     assert sampler.batch_sizes[0] == 6 and sorted(sampler.batch_sizes, reverse=True) == sampler.batch_sizes
@@ -210,9 +223,7 @@ def test_rollout_walkthrough_replayer_wins(all_games, protocol):
 def test_rollout_garbage_is_invalid_and_env_not_advanced(all_games, protocol):
     starts = _distinct_task_games(all_games, protocol, 2)
     sampler = Scripted(protocol, lambda task, turn: "I refuse to use tools.")
-    groups = common.rollout(
-        starts, 3, sampler, protocol, horizon=4, max_episode_steps=50, max_turn_tokens=32, max_trajectory_tokens=100_000
-    )
+    groups = play(starts, 3, sampler, protocol, horizon=4, max_turn_tokens=32)
     assert sampler.calls == 4 and sampler.batch_sizes == [6] * 4
     for start, group in zip(starts, groups):
         for traj in group:
@@ -225,16 +236,7 @@ def test_rollout_garbage_is_invalid_and_env_not_advanced(all_games, protocol):
 def test_rollout_not_admissible_is_sent_and_marked(all_games, protocol):
     start = _distinct_task_games(all_games, protocol, 1)[0]
     sampler = Scripted(protocol, lambda task, turn: TOOL % "dance wildly")
-    (group,) = common.rollout(
-        [start],
-        1,
-        sampler,
-        protocol,
-        horizon=2,
-        max_episode_steps=50,
-        max_turn_tokens=64,
-        max_trajectory_tokens=100_000,
-    )
+    (group,) = play([start], 1, sampler, protocol, horizon=2)
     (traj,) = group
     assert traj.actions == ["dance wildly"] * 2
     assert all(s.valid and not s.admissible and s.observation == "Nothing happens." for s in traj.steps)
@@ -245,32 +247,14 @@ def test_rollout_token_budget_and_max_steps(all_games, protocol):
     start = _distinct_task_games(all_games, protocol, 1)[0]
     sampler = Scripted(protocol, lambda task, turn: "x " * 200 + TOOL % "look")
     budget = len(start.prefix_tokens) + 3 * 64
-    (group,) = common.rollout(
-        [start],
-        2,
-        sampler,
-        protocol,
-        horizon=50,
-        max_episode_steps=50,
-        max_turn_tokens=64,
-        max_trajectory_tokens=budget,
-    )
+    (group,) = play([start], 2, sampler, protocol, max_trajectory_tokens=budget)
     for traj in group:
         assert traj.stop_reason == common.STOP_TOKEN_BUDGET
         assert len(traj.tokens) + 64 > budget and 1 <= len(traj.steps) <= 3
         assert all(len(s.completion_tokens) == 64 and not s.valid for s in traj.steps)  # truncated: no call
 
     sampler = Scripted(protocol, lambda task, turn: TOOL % "look")
-    (group,) = common.rollout(
-        [start],
-        1,
-        sampler,
-        protocol,
-        horizon=10,
-        max_episode_steps=4,
-        max_turn_tokens=64,
-        max_trajectory_tokens=100_000,
-    )
+    (group,) = play([start], 1, sampler, protocol, horizon=10, max_episode_steps=4)
     assert group[0].stop_reason == common.STOP_MAX_STEPS and len(group[0].steps) == 4
 
 
@@ -278,31 +262,13 @@ def test_rollout_continues_from_saved_state_and_drops_bad_ones(all_games, protoc
     start = _distinct_task_games(all_games, protocol, 1)[0]
     walkthrough = common.load_walkthrough(start.game_file)
     sampler = Scripted(protocol, lambda task, turn: TOOL % walkthrough[turn])
-    (first,) = common.rollout(
-        [start],
-        1,
-        sampler,
-        protocol,
-        horizon=2,
-        max_episode_steps=50,
-        max_turn_tokens=64,
-        max_trajectory_tokens=100_000,
-    )
+    (first,) = play([start], 1, sampler, protocol, horizon=2)
     saved = common.SavedState.from_json(first[0].saved_state().to_json())
     assert saved.round_index == 2 and saved.actions == walkthrough[:2]
     assert len(saved.prefix_step_ids) == len(saved.prefix_tokens) == len(saved.prefix_logprobs)
     assert set(saved.prefix_step_ids) == {-1, 0, 1}
     tampered = common.SavedState(**{**saved.__dict__, "actions": ["look", "look"]})
-    second, dropped = common.rollout(
-        [saved, tampered],
-        2,
-        sampler,
-        protocol,
-        horizon=50,
-        max_episode_steps=50,
-        max_turn_tokens=64,
-        max_trajectory_tokens=100_000,
-    )
+    second, dropped = play([saved, tampered], 2, sampler, protocol)
     assert dropped == []
     for traj in second:
         assert traj.won and traj.actions == walkthrough and len(traj.steps) == len(walkthrough) - 2
