@@ -1,5 +1,6 @@
 """Prompt and rollout-turn costs: extending the prompt at turn 1 vs turn 50 (should be flat), and
-time per rollout turn for 16 branches with the tiny model, split into sampling vs everything else.
+time per rollout turn for 16 branches with the tiny model and tempo.py's sampler, split into sampling vs
+everything else.
 
     python benchmarks/prompt.py [--data-root DIR] [--branches 16] [--turns 8]
 """
@@ -14,40 +15,21 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
+import tempo  # noqa: E402
 
 TOOL = '<tool_call>\n{"name": "alfworld_step", "arguments": {"action": "%s"}}\n</tool_call>'
 
 
-def make_sampler(model, tokenizer, clock):
-    def sample_fn(prompts, max_new_tokens):
+def timed_sampler(sample_fn, clock):
+    """The training scripts' sampler, with its wall time added to clock["sampling"]."""
+
+    def sample(prompts, max_new_tokens):
         start = time.perf_counter()
-        width = max(map(len, prompts))
-        ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(p)) + p for p in prompts])
-        mask = (torch.arange(width)[None] >= torch.tensor([width - len(p) for p in prompts])[:, None]).long()
-        with torch.no_grad():
-            out = model.generate(
-                input_ids=ids,
-                attention_mask=mask,
-                do_sample=True,
-                temperature=1.0,
-                top_p=1.0,
-                top_k=0,
-                max_new_tokens=max_new_tokens,
-                output_logits=True,
-                return_dict_in_generate=True,
-                pad_token_id=tokenizer.pad_token_id,
-            )
-        logprobs = torch.stack(out.logits, 1).log_softmax(-1)
-        completions = []
-        for row, seq in enumerate(out.sequences[:, width:].tolist()):
-            if tokenizer.eos_token_id in seq:
-                seq = seq[: seq.index(tokenizer.eos_token_id) + 1]
-            lp = logprobs[row, torch.arange(len(seq)), seq].tolist()
-            completions.append(common.Completion(seq, lp, tokenizer.decode(seq, skip_special_tokens=True)))
+        completions = sample_fn(prompts, max_new_tokens)
         clock["sampling"] += time.perf_counter() - start
         return completions
 
-    return sample_fn
+    return sample
 
 
 def main():
@@ -97,7 +79,7 @@ def main():
     groups = common.rollout(
         [state],
         args.branches,
-        make_sampler(model, tokenizer, clock),
+        timed_sampler(tempo.make_sampler(model, tokenizer, tempo.make_accelerator(), tempo.Args()), clock),
         protocol,
         horizon=args.turns,
         max_episode_steps=50,
