@@ -314,20 +314,25 @@ def plan_walkthrough(planner, game):
         sys.argv = argv
 
 
-def replay_games(game_files, max_steps=200) -> dict[str, bool]:
-    """Play each game's stored walkthrough in stock TextWorld with ALFWorld's wrappers (as ALFWorld trains);
-    returns {game_file: won}. Only for games this module generated: stock TextWorld eval()s grammar code.
-    One env for all: each env loads its own copy of libdownward.so."""
+def stock_alfworld_env(game_files: Sequence[str], max_episode_steps: int = 1000):
+    """Stock TextWorld with ALFWorld's wrappers, as ALFWorld trains on it (batch of 1): the reference engine
+    for generation and for tests and benchmarks. It eval()s grammar code: only for trusted games."""
     infos = textworld.EnvInfos(won=True, admissible_commands=True, extras=["gamefile"])
     env_id = textworld.gym.register_games(
         list(game_files),
         infos,
         batch_size=1,
         asynchronous=False,
-        max_episode_steps=max_steps,
+        max_episode_steps=max_episode_steps,
         wrappers=[AlfredDemangler, AlfredInfos],
     )
-    argv, env, results = sys.argv, textworld.gym.make(env_id), {}
+    return textworld.gym.make(env_id)
+
+
+def replay_games(game_files, max_steps=200) -> dict[str, bool]:
+    """Play each game's stored walkthrough in the stock engine; returns {game_file: won}.
+    One env for all: each env loads its own copy of libdownward.so."""
+    argv, env, results = sys.argv, stock_alfworld_env(game_files, max_steps), {}
     try:
         for _ in game_files:  # the env's first cycle visits each game once, in a shuffled order
             _, info = env.reset()
@@ -338,8 +343,7 @@ def replay_games(game_files, max_steps=200) -> dict[str, bool]:
             results[game_file] = bool(won)
     finally:
         env.close()
-        sys.argv = argv
-        textworld.gym.registry.pop(env_id, None)
+        sys.argv = argv  # the translator overwrites it
     return results
 
 

@@ -11,10 +11,6 @@ import sys
 import time
 from pathlib import Path
 
-import textworld
-import textworld.gym
-from alfworld.agents.environment.alfred_tw_env import AlfredDemangler, AlfredInfos
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
 
@@ -26,20 +22,6 @@ def timed(fn, repeats):
         fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
-
-
-def stock_env(game_file):
-    """A game in stock TextWorld with ALFWorld's wrappers, as ALFWorld trains on it."""
-    infos = textworld.EnvInfos(won=True, admissible_commands=True, extras=["gamefile"])
-    env_id = textworld.gym.register_games(
-        [game_file],
-        infos,
-        batch_size=1,
-        asynchronous=False,
-        max_episode_steps=1000,
-        wrappers=[AlfredDemangler, AlfredInfos],
-    )
-    return textworld.gym.make(env_id)
 
 
 def long_command_list(game_file, length):
@@ -71,7 +53,7 @@ def main():
         f"{'stock step':>11s} {'ours step':>10s} {'x':>6s}"
     )
     for game_file in games:
-        stock = stock_env(game_file)
+        stock = common.stock_alfworld_env([game_file])
         start = time.perf_counter()
         ours = common.AlfredEnv(game_file)
         cold = time.perf_counter() - start
@@ -109,7 +91,7 @@ def main():
     print(f"\nrestore on {Path(game_file).parent.parent.name}: snapshot (in-process) vs replay (portable, verified)")
     print(f"{'actions':>8s} {'snapshot':>10s} {'replay':>10s} {'x':>8s} {'stock replay':>13s}")
     group = common.EnvGroup(game_file, 1)
-    stock = stock_env(game_file)
+    stock = common.stock_alfworld_env([game_file])
     for length in (5, 10, 20, 40):
         commands = long_command_list(game_file, length)
         group.reset()

@@ -6,9 +6,6 @@ from pathlib import Path
 
 import psutil
 import pytest
-import textworld
-import textworld.gym
-from alfworld.agents.environment.alfred_tw_env import AlfredDemangler, AlfredInfos
 
 import common
 
@@ -37,16 +34,7 @@ def test_generated_games_cover_every_task_type_and_play_to_won(all_games):
 def test_fast_env_text_equals_stock_textworld(all_games):
     """Same observations, admissible commands and won flags as ALFWorld's stock TextWorld setup."""
     for game_file in all_games[:: len(all_games) // 4]:
-        infos = textworld.EnvInfos(won=True, admissible_commands=True, extras=["gamefile"])
-        env_id = textworld.gym.register_games(
-            [game_file],
-            infos,
-            batch_size=1,
-            asynchronous=False,
-            max_episode_steps=200,
-            wrappers=[AlfredDemangler, AlfredInfos],
-        )
-        stock = textworld.gym.make(env_id)
+        stock = common.stock_alfworld_env([game_file])
         fast = common.AlfredEnv(game_file)
         obs, info = stock.reset()
         turn = fast.reset()
