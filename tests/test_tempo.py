@@ -230,28 +230,16 @@ def runtime(games_root, tiny_model_dir, tmp_path):
 
 def test_actor_loss_mask_covers_only_the_segments_generated_tokens(runtime):
     rt = runtime()
-    (first,) = common.rollout(
-        [rt.fresh_state()],
-        1,
-        rt.sample_fn,
-        rt.protocol,
-        horizon=2,
-        max_episode_steps=4,
-        max_turn_tokens=24,
-        max_trajectory_tokens=4096,
-    )
+
+    def segment(start):
+        budgets = dict(horizon=2, max_episode_steps=4, max_turn_tokens=24, max_trajectory_tokens=4096)
+        (group,) = common.rollout([start], 1, rt.sample_fn, rt.protocol, **budgets)
+        return group
+
+    first = segment(rt.fresh_state())
     saved = first[0].saved_state()
     assert any(k >= 0 for k in saved.prefix_step_ids)  # the prefix holds generated tokens of turns 0-1
-    (second,) = common.rollout(
-        [saved],
-        1,
-        rt.sample_fn,
-        rt.protocol,
-        horizon=2,
-        max_episode_steps=4,
-        max_turn_tokens=24,
-        max_trajectory_tokens=4096,
-    )
+    second = segment(saved)
     traj = second[0]
     datum = tempo.actor_datum(traj, 0.5)
     expected = [0.0] * len(datum.tokens)
