@@ -1080,7 +1080,7 @@ class Runtime:
 
     def critic_prompt(self, game_file: str, task: str, messages, round_index: int) -> list[int]:
         return critic_prompt(
-            self.tokenizer, task, common.load_walkthrough(game_file), messages, round_index, self.args.max_episode_steps
+            self.tokenizer, task, common.load_game(game_file).walkthrough, messages, round_index, self.args.max_episode_steps
         )
 
     def train(self, datums: list[Datum]) -> dict:
