@@ -683,7 +683,7 @@ class EnvSnapshot:
     vars_by_name: dict
     vars_by_type: dict
     var_counts: Counter
-    turn: Turn | None
+    turn: Turn
     actions: tuple[str, ...] = ()  # commands since reset (filled in by EnvGroup: its rebuild replays them)
 
 
@@ -699,7 +699,7 @@ class AlfredEnv:
         self._state = self._initial_pddl_state()
         if self.game.entity_infos is None:
             self.game.entity_infos = self._entity_infos()
-        self.turn: Turn | None = None
+        self.turn = self._gather(self._derive("#intro#", {}), 0)
         self._initial = self.snapshot()
 
     def _initial_pddl_state(self):
@@ -784,8 +784,6 @@ class AlfredEnv:
         state._vars_by_name = dict(snapshot.vars_by_name)
         state._vars_by_type = defaultdict(set, {t: set(v) for t, v in snapshot.vars_by_type.items()})
         state._var_counts = Counter(snapshot.var_counts)
-        if snapshot.turn is None:  # the initial snapshot is taken before the intro text exists
-            snapshot.turn = self._gather(self._derive("#intro#", {}), 0)
         self.turn = snapshot.turn
         state._operators = self.turn.operators
         return self.turn
