@@ -262,3 +262,27 @@ def test_make_games_is_deterministic_and_has_a_cli(tmp_path):
     cli = sorted(p.relative_to(tmp_path / "cli") for p in (tmp_path / "cli").rglob("*") if p.is_file())
     assert direct == cli and len(direct) == 4
     assert all((tmp_path / "direct" / p).read_bytes() == (tmp_path / "cli" / p).read_bytes() for p in direct)
+
+
+def test_expert_plan_from_start_matches_walkthrough_and_replans_after_a_detour(all_games):
+    for game_file in [g for g in all_games if "pick_two" not in g]:  # pick_two plans take seconds each
+        env = common.AlfredEnv(game_file)
+        try:
+            walkthrough = common.load_walkthrough(game_file)
+            plan = env.expert_plan()
+            assert len(plan) == len(walkthrough)  # optimal: same length (ties may order steps differently)
+            for action in plan:
+                assert action in env.turn.admissible
+                env.step(action)
+            assert env.turn.won and env.expert_plan() == []
+            env.reset()
+            assert env.expert_plan() == plan  # the cached plan of the start state
+            env.step(walkthrough[0])
+            assert len(env.expert_plan()) == len(walkthrough) - 1
+            detour = next(a for a in env.turn.admissible if a.startswith("go to") and a != walkthrough[1])
+            env.step(detour)  # a step away: the replan from here still wins
+            for action in env.expert_plan():
+                env.step(action)
+            assert env.turn.won
+        finally:
+            env.close()
