@@ -493,6 +493,17 @@ def test_bad_game_fails_at_start_naming_it(name, split, games_root, tiny_model_d
     assert not list(tmp_path.glob("runs/*"))
 
 
+def test_config_records_the_data_root_used(games_root, tiny_model_dir, tmp_path, monkeypatch, judge):
+    """Without --data-root the run uses the offline game set; config.json (written from these args) says where."""
+    offline = tmp_path / "cache" / f"offline-games-n{common.DEFAULT_GAMES}-seed{common.DEFAULT_GAMES_SEED}"
+    offline.parent.mkdir()
+    offline.symlink_to(games_root)  # stands in for the generated set
+    monkeypatch.setattr(common, "DEFAULT_CACHE_DIR", tmp_path / "cache")
+    args = tempo.Args(**settings("tempo", games_root, tiny_model_dir, tmp_path / "runs", data_root=None))
+    args, _, _ = tempo.start(args, tempo.ALGORITHM, tempo.make_accelerator(), tempo.validate_args)
+    assert args.data_root == str(offline)
+
+
 def test_startup_error_prints_one_line_and_exits_2(tmp_path):
     result = subprocess.run(
         [sys.executable, str(ROOT / "tempo.py"), "--model", "tiny", "--seed", "-1"],
