@@ -120,11 +120,11 @@ def main(args: Args) -> list[Path]:
     args.out.mkdir(parents=True, exist_ok=True)
     plot_metrics(runs, args.metrics, args.out / "comparison.png")
     written = [args.out / "comparison.png"]
-    if CRITIC_PANEL[0] in logged:
-        plot_metrics(runs, CRITIC_PANEL, args.out / "critic.png", x_axes=("update",))
+    if critic := tuple(m for m in CRITIC_PANEL if m in logged):
+        plot_metrics(runs, critic, args.out / "critic.png", x_axes=("update",))
         written.append(args.out / "critic.png")
     else:
-        print(f"critic.png skipped: no run logged {CRITIC_PANEL[0]} (TEMPO runs do)", file=sys.stderr)
+        print("critic.png skipped: no run logged critic metrics (TEMPO runs do)", file=sys.stderr)
     for path in written:
         print(path)
     return written
