@@ -856,6 +856,7 @@ def start(args, algorithm: str, accelerator, validate_args, resume_may_change: S
     config.json); --resume: flags that change what the run is (all but RESUME_FREE_FLAGS and resume_may_change)
     must equal the run's."""
     try:
+        validate_model_args(args)  # before looking the checkpoint up (--resume and --eval-only exclude each other)
         flag, spec = ("--eval-only", args.eval_only) if args.eval_only else ("--resume", args.resume)
         checkpoint = find_checkpoint(spec, args.output_dir, args.exp_name, args.seed, flag)
         config_file = checkpoint.parent.parent / "config.json" if checkpoint is not None else None

@@ -500,7 +500,7 @@ def test_smoke_self_labeler(games_root, tiny_model_dir, tmp_path):
     assert (run_dir / "checkpoints" / "update_000002" / "adapter_model.safetensors").is_file()
 
 
-def test_smoke_api_labeler_then_resume_as_plain_grpo(games_root, tiny_model_dir, tmp_path, api_key):
+def test_smoke_api_labeler_then_resume(games_root, tiny_model_dir, tmp_path, api_key):
     def behave(content, attempt):
         if attempt == 1 and "Step 2\n" in content:
             return 429, RATE_LIMITED, 0.0
@@ -516,21 +516,17 @@ def test_smoke_api_labeler_then_resume_as_plain_grpo(games_root, tiny_model_dir,
             games_root, tiny_model_dir, tmp_path, **{**endpoint, "labeler_log_dir": str(tmp_path / "labels")}
         )
         run_dir = adca_grpo.main(args)
+        # plain GRPO is another algorithm setting: not a continuation of this run
+        with pytest.raises(adca_grpo.StartupError, match=r"--attribution False \(the run: True\)"):
+            adca_grpo.main(adca_grpo.Args(**{**vars(args), "resume": "auto", "attribution": False}))
+        resumed = adca_grpo.main(adca_grpo.Args(**{**vars(args), "num_updates": 3, "resume": "auto"}))
     rows = read_metrics(run_dir)
+    assert resumed == run_dir and [r["update"] for r in rows] == [1, 2, 3]
     assert {r["labeler"] for r in rows} == {"api"} and all(r["prm/label_requests"] == 4 for r in rows)
     assert all(r["prm/label_failures"] == 0 and r["prm/parse_failures"] == 0 for r in rows)
     assert all(r["prm/good_rate"] > 0 and r["prm/decouple/attr_std"] > 0 for r in rows)  # labels reached the advantages
     for path in tmp_path.rglob("*"):
         if path.is_file() and path.suffix in (".jsonl", ".json"):
             assert SECRET not in path.read_text()
-
-    resumed = adca_grpo.main(adca_grpo.Args(**{**vars(args), "num_updates": 3, "resume": "auto", "attribution": False}))
-    assert resumed == run_dir
-    rows = read_metrics(run_dir)
-    assert (
-        [r["update"] for r in rows] == [1, 2, 3]
-        and rows[2]["labeler"] == "none"
-        and "prm/label_requests" not in rows[2]
-    )
     state = json.loads((run_dir / "checkpoints" / "update_000003" / "trainer_state.json").read_text())
     assert state["algorithm"] == "adca_grpo" and state["update"] == 3
