@@ -554,12 +554,16 @@ def test_td_update_wiring_numbers(runtime, monkeypatch):
     samples (0 when all fail); critic datums carry their centred rewards; the metrics are these numbers."""
     rt = runtime(states_per_batch=3, branches=3, critic_samples=4, endpoint_samples=2)
     rt.sample_fn, seen = scored_script(rt)
+    budgets = dict(horizon=2, max_episode_steps=4, max_turn_tokens=24, max_trajectory_tokens=4096)
+    (segment,) = common.rollout([rt.fresh_state()], 1, rt.sample_fn, rt.protocol, **budgets)
+    rt.store.add(segment[0].saved_state())  # at turn 2 of T = 4: its branches end terminal, worth 0
     rollouts, updates = record_rollouts_and_updates(rt, monkeypatch)
     metrics, _ = tempo.td_update(rt)
     (groups,), (datums,) = rollouts, updates
     expected = check_td_wiring(rt, seen, groups, datums)
     assert expected["actor_datums"] > 0 and expected["endpoint_failures"] > 0
     assert 0.0 in expected["endpoint_values"]  # an endpoint whose samples all failed is worth 0
+    assert expected["gaps"][0] == 0 and max(expected["gaps"]) > 0  # the gap is averaged over every group
     assert metrics["critic/endpoint_parse_failures"] == expected["endpoint_failures"]
     assert metrics["critic/endpoint_value_mean"] == pytest.approx(statistics.fmean(expected["endpoint_values"]))
     assert metrics["actor/value_gap_zero_reward"] == pytest.approx(statistics.fmean(expected["gaps"]))
@@ -567,10 +571,14 @@ def test_td_update_wiring_numbers(runtime, monkeypatch):
     parsed = [abs(v - g) for values, g in expected["critic"] for v in values if v is not None]
     assert metrics["critic/abs_error_mean"] == pytest.approx(statistics.fmean(errors))
     assert metrics["critic/abs_error_parsed_mean"] == pytest.approx(statistics.fmean(parsed))
-    estimates = [(statistics.fmean(v for v in vs if v is not None), g) for vs, g in expected["critic"]]
+    estimates = [
+        (statistics.fmean(v for v in vs if v is not None), g)
+        for vs, g in expected["critic"]
+        if any(v is not None for v in vs)
+    ]  # a state whose samples all failed has no estimate
     corr = statistics.correlation([v for v, _ in estimates], [g for _, g in estimates])
     assert metrics["critic/td_target_corr"] == pytest.approx(corr) and "critic/value_corr" not in metrics
-    assert metrics["critic/prompt_too_long_rate"] == 0 and metrics["td/new_endpoints"] == len(rt.store) == 9
+    assert metrics["critic/prompt_too_long_rate"] == 0 and metrics["td/new_endpoints"] == len(rt.store) == 6
 
 
 @pytest.mark.parametrize(
