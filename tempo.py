@@ -1,8 +1,8 @@
 """TEMPO: macro-step policy optimization for long-horizon LLM agents in ALFWorld (CleanRL style, one file).
 
 One LoRA policy plays two roles. As the ACTOR it plays the game through tool calls. As the CRITIC it reads
-the task, a condensed history and the game's walkthrough (privileged: never in actor prompts) and answers
-with `<value>p</value>`, the chance that the agent still wins. An episode of T turns is cut into macro steps
+the task, the actor's replies so far with the game's answers, and the game's walkthrough (privileged: never in
+actor prompts), and answers with `<value>p</value>`, the chance that the agent still wins. An episode of T turns is cut into macro steps
 of H turns. Each update restores saved mid-episode states, runs N branches for one macro step, values the
 branches' endpoints with the critic (TD bootstrap), gives every branch the advantage R_n - mean(R) with
 R_n = segment reward + V(endpoint), trains the critic towards mean(R) from the start state, and puts the
@@ -1319,12 +1319,13 @@ def td_update(rt: Runtime) -> tuple[dict, list[dict]]:
     t_rollout = time.time()
 
     # ---- Phase 2, step 4: value every branch that stopped at the macro boundary with the critic (also one with no
-    # token room for another turn: truncated, not ended); branches that won or reached T are terminal, worth 0
+    # token room for another turn: truncated, not ended). Terminal branches (won, at T, or out of tokens mid-segment)
+    # are worth 0
     endpoints = [traj for traj in trajectories if traj.stop_reason == common.STOP_HORIZON]
     endpoint_prompts = [rt.critic_prompt(t.start.game_file, t.start.task, t.messages, t.round_index) for t in endpoints]
     start_prompts = [rt.critic_prompt(s.game_file, s.task, s.messages, s.round_index) for s, _ in live]
-    sent = [(p, E) for p in endpoint_prompts if p is not None] + [(p, K) for p in start_prompts if p is not None]
-    critic_batch = [p for p, n in sent for _ in range(n)]
+    critic_batch = [p for p in endpoint_prompts if p is not None for _ in range(E)]
+    critic_batch += [p for p in start_prompts if p is not None for _ in range(K)]
     replies = iter(rt.sample_fn(critic_batch, args.max_critic_tokens) if critic_batch else [])  # one batched call
     endpoint_value, endpoint_failures = {}, 0
     for traj, prompt in zip(endpoints, endpoint_prompts):
