@@ -1,8 +1,8 @@
 """TEMPO: macro-step policy optimization for long-horizon LLM agents in ALFWorld (CleanRL style, one file).
 
 One LoRA policy plays two roles. As the ACTOR it plays the game through tool calls. As the CRITIC it reads
-the task, a condensed history and the game's walkthrough (privileged: never in actor prompts) and answers
-with `<value>p</value>`, the chance that the agent still wins. An episode of T turns is cut into macro steps
+the task, the actor's replies so far with the game's answers, and the game's walkthrough (privileged: never in
+actor prompts), and answers with `<value>p</value>`, the chance that the agent still wins. An episode of T turns is cut into macro steps
 of H turns. Each update restores saved mid-episode states, runs N branches for one macro step, values the
 branches' endpoints with the critic (TD bootstrap), gives every branch the advantage R_n - mean(R) with
 R_n = segment reward + V(endpoint), trains the critic towards mean(R) from the start state, and puts the
@@ -101,19 +101,21 @@ class Args:
     state_store_capacity: int = 256
     """FIFO capacity of the store of macro-boundary states"""
     r_max: float = 1.0
-    """return range used to normalise the critic reward -|V - G| / r_max"""
+    """normaliser of the critic reward -|V - G| / r_max (a parse failure counts as the largest error, 1)"""
     ppo_clip: tuple[float, float] | None = None
     """(eps_low, eps_high): PPO-clip the ratio; None = plain importance-sampling policy gradient (Tinker style)"""
     prefix_is_correction: bool = False
     """weight a stored state's actor advantages by p_now(prefix) / p_old(prefix)"""
     prefix_is_max_weight: float = 2.0
-    """ceiling of the prefix importance weight"""
+    """bound of the prefix importance weight: it is clipped to [1 / max, max]"""
     max_trajectory_tokens: int = 24576
     """token budget of one episode's prompt (a branch stops before overflowing it)"""
     max_turn_tokens: int = 512
     """new tokens per actor turn"""
     max_critic_tokens: int = 512
-    """new tokens per critic reply"""
+    """new tokens per critic reply (a critic prompt longer than --max-trajectory-tokens minus this is skipped)"""
+    critic_step_chars: int = 1000
+    """characters of each actor reply's reasoning shown to the critic (cut in the middle; the action is always shown)"""
     # ---- runs (shared with adca_grpo.py) ----
     exp_name: str = "tempo"
     """run name prefix: runs/{exp_name}__{seed}__{time}"""
@@ -914,14 +916,20 @@ def actor_signals(
     return returns, value_target, [r - value_target for r in returns]
 
 
+def critic_errors(values: Sequence[float | None], value_target: float) -> list[float]:
+    """|V_k - G| per critic sample; a parse failure (None) counts as 1, the largest error a parsed value can make
+    (values and targets both lie in [0, 1])."""
+    return [1.0 if v is None else abs(v - value_target) for v in values]
+
+
 def critic_signals(
     values: Sequence[float | None], value_target: float, r_max: float
 ) -> tuple[list[float], list[float]]:
-    """Reward -|V_k - G| / r_max per critic sample (a parse failure, None, gets -r_max: the worst), centred
-    within the group."""
+    """Reward -|V_k - G| / r_max per critic sample (a parse failure scores exactly like the worst possible
+    parsed answer, -1 / r_max), centred within the group."""
     if not values:
         raise ValueError("critic_signals needs at least one critic sample")
-    rewards = [-r_max if v is None else -abs(v - value_target) / r_max for v in values]
+    rewards = [-error / r_max for error in critic_errors(values, value_target)]
     mean = sum(rewards) / len(rewards)
     return rewards, [r - mean for r in rewards]
 
@@ -931,41 +939,64 @@ def is_degenerate(advantages: Sequence[float]) -> bool:
 
 
 CRITIC_SYSTEM_PROMPT = (
-    "You are the critic of an agent playing a household text game (ALFWorld). You see the task, what the agent "
-    "did so far, and a reference solution that the agent cannot see. Estimate the probability that the agent, "
-    "from where it stands now, completes the task within its remaining steps. Reason briefly, then end your "
-    "reply with <value>p</value>, p a number between 0 and 1."
+    "You are the critic of an agent playing a household text game (ALFWorld). You see the task, the agent's "
+    "replies so far (its reasoning and the actions it sent) with the game's answers, and a reference solution "
+    "that the agent cannot see. Judge what the agent has achieved and understood, whether its current "
+    "hypothesis and plan still lead to the goal (check them against the reference), and what obstacles remain. "
+    "Estimate the probability that the agent, from where it stands now, completes the task within its remaining "
+    "steps. Reason briefly, then end your reply with <value>p</value>, p a number between 0 and 1."
 )
 PRIVILEGED_HEADER = "Reference solution (privileged, hidden from the agent):"
+ADMISSIBLE_SEPARATOR = "\nAdmissible actions: "  # how common.ChatProtocol appends the list to user/tool messages
 
 
-def condensed_history(messages: Sequence[dict]) -> list[str]:
-    """The chat as short lines: first observation, then per turn the action sent (or the failed format)
-    and what the game answered. Admissible-action lists are dropped."""
+def trim_middle(text: str, max_chars: int) -> str:
+    """`text` cut to `max_chars` characters by dropping its middle: the plan at the start and the conclusion
+    at the end stay."""
+    if len(text) <= max_chars:
+        return text
+    head = max_chars // 2
+    return text[:head] + " [...] " + text[len(text) - (max_chars - head) :]
+
+
+def condensed_history(messages: Sequence[dict], step_chars: int) -> list[str]:
+    """The chat as the critic reads it: the first observation, then per turn the actor's reply (its reasoning
+    trimmed to `step_chars`, then the action it sent; a reply without a valid action is shown trimmed as
+    written) and what the game answered. Admissible-action lists are dropped."""
     lines, turn = [], 0
     for message in messages:
-        content = message["content"].split("\nAdmissible actions: ")[0]
-        if message["role"] == "user":
-            lines.append(f"Start: {content.strip()}")
-        elif message["role"] == "assistant":
+        role, content = message["role"], message["content"]
+        if role == "user":
+            lines.append(f"Start: {content.split(ADMISSIBLE_SEPARATOR)[0].strip()}")
+        elif role == "assistant":
             turn += 1
             action = common.parse_action(content)
-            lines.append(f"Step {turn}: " + (f"> {action}" if action else "(no valid action)"))
-        elif message["role"] == "tool":
-            status, _, observation = content.partition("\nObservation: ")
+            if action is None:
+                lines.append(f"Step {turn}: (no valid action) {trim_middle(content.strip(), step_chars)}".rstrip())
+            else:  # parse_action found exactly one tool call, at the end
+                reasoning = trim_middle(content[: content.find("<tool_call>")].strip(), step_chars)
+                lines.append(f"Step {turn}: " + (f"{reasoning}\n> {action}" if reasoning else f"> {action}"))
+        elif role == "tool":
+            status, _, observation = content.split(ADMISSIBLE_SEPARATOR)[0].partition("\nObservation: ")
             lines[-1] += f" [{status.removeprefix('Status: ').split(':')[0]}] {observation.strip()}"
     return lines
 
 
 def critic_prompt(
-    tokenizer, task: str, walkthrough: Sequence[str], messages: Sequence[dict], round_index: int, max_episode_steps: int
+    tokenizer,
+    task: str,
+    walkthrough: Sequence[str],
+    messages: Sequence[dict],
+    round_index: int,
+    max_episode_steps: int,
+    step_chars: int,
 ) -> list[int]:
     """Critic prompt tokens: task, steps left, the privileged walkthrough and the condensed history, rendered
     as a plain chat (no tools)."""
     reference = "\n".join(f"{i + 1}. {action}" for i, action in enumerate(walkthrough)) or "(none)"
     user = (
         f"Task: {task}\nSteps taken: {round_index} of {max_episode_steps} ({max_episode_steps - round_index} left)\n\n"
-        f"{PRIVILEGED_HEADER}\n{reference}\n\nHistory:\n" + "\n".join(condensed_history(messages))
+        f"{PRIVILEGED_HEADER}\n{reference}\n\nHistory:\n" + "\n".join(condensed_history(messages, step_chars))
     )
     chat = [{"role": "system", "content": CRITIC_SYSTEM_PROMPT}, {"role": "user", "content": user}]
     text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
@@ -1043,6 +1074,12 @@ def validate_args(args: Args) -> None:
         (args.prefix_is_max_weight >= 1, f"--prefix-is-max-weight must be >= 1, got {args.prefix_is_max_weight}"),
         (args.max_turn_tokens >= 1, f"--max-turn-tokens must be >= 1, got {args.max_turn_tokens}"),
         (args.max_critic_tokens >= 1, f"--max-critic-tokens must be >= 1, got {args.max_critic_tokens}"),
+        (args.critic_step_chars >= 1, f"--critic-step-chars must be >= 1, got {args.critic_step_chars}"),
+        (
+            args.max_critic_tokens < args.max_trajectory_tokens,
+            f"--max-critic-tokens ({args.max_critic_tokens}) must be below --max-trajectory-tokens "
+            f"({args.max_trajectory_tokens}): critic prompt and reply share that budget",
+        ),
         (
             args.max_trajectory_tokens > args.max_turn_tokens,
             f"--max-trajectory-tokens ({args.max_trajectory_tokens}) must exceed --max-turn-tokens ({args.max_turn_tokens})",
@@ -1078,10 +1115,15 @@ class Runtime:
         self.game_cursor += 1
         return common.fresh_state(game, self.protocol, seed=self.game_cursor)
 
-    def critic_prompt(self, game_file: str, task: str, messages, round_index: int) -> list[int]:
-        return critic_prompt(
-            self.tokenizer, task, common.load_game(game_file).walkthrough, messages, round_index, self.args.max_episode_steps
+    def critic_prompt(self, game_file: str, task: str, messages, round_index: int) -> list[int] | None:
+        """The critic prompt of a state; None when it leaves no room for a reply in --max-trajectory-tokens
+        (never sent; the caller counts it)."""
+        args = self.args
+        walkthrough = common.load_game(game_file).walkthrough
+        prompt = critic_prompt(
+            self.tokenizer, task, walkthrough, messages, round_index, args.max_episode_steps, args.critic_step_chars
         )
+        return prompt if len(prompt) <= args.max_trajectory_tokens - args.max_critic_tokens else None
 
     def train(self, datums: list[Datum]) -> dict:
         return train_step(
@@ -1110,16 +1152,27 @@ def rollout_metrics(trajectories: Sequence[common.Trajectory]) -> dict:
     }
 
 
-def critic_metrics(values: Sequence[float | None], targets: Sequence[float]) -> dict:
-    """Error and correlation of the critic's parsed values against their targets (value per sample)."""
-    if not values:
+def critic_metrics(values_per_state: Sequence[Sequence[float | None]], targets: Sequence[float], corr_key: str) -> dict:
+    """The critic's samples on a batch of states (one target each): parse failure rate, mean |V - G| with a
+    failure counted as 1 (abs_error_mean) and over parsed samples only, and under `corr_key` the correlation of
+    each state's mean parsed estimate with its target."""
+    errors = [e for values, g in zip(values_per_state, targets) for e in critic_errors(values, g)]
+    if not errors:
         return {}
-    pairs = [(v, g) for v, g in zip(values, targets) if v is not None]
-    metrics = {"critic/parse_failure_rate": 1 - len(pairs) / max(1, len(values))}
-    if pairs:
-        metrics["critic/abs_error_mean"] = sum(abs(v - g) for v, g in pairs) / len(pairs)
-    if len(pairs) >= 2 and len({v for v, _ in pairs}) > 1 and len({g for _, g in pairs}) > 1:
-        metrics["critic/value_corr"] = statistics.correlation([v for v, _ in pairs], [g for _, g in pairs])
+    parsed = [(v, g) for values, g in zip(values_per_state, targets) for v in values if v is not None]
+    metrics = {
+        "critic/parse_failure_rate": 1 - len(parsed) / len(errors),
+        "critic/abs_error_mean": statistics.fmean(errors),
+    }
+    if parsed:
+        metrics["critic/abs_error_parsed_mean"] = statistics.fmean(abs(v - g) for v, g in parsed)
+    estimates = [
+        (statistics.fmean(v for v in values if v is not None), g)
+        for values, g in zip(values_per_state, targets)
+        if any(v is not None for v in values)
+    ]
+    if len({v for v, _ in estimates}) > 1 and len({g for _, g in estimates}) > 1:
+        metrics[corr_key] = statistics.correlation([v for v, _ in estimates], [g for _, g in estimates])
     return metrics
 
 
@@ -1157,22 +1210,28 @@ def warmup_update(rt: Runtime) -> tuple[dict, list[dict]]:
     trajectories = [traj for group in groups for traj in group]
     t_rollout = time.time()
 
-    # ---- Phase 1, step 2: the state at every H-turn boundary, its target = the trajectory's return (0/1 won)
-    prompts, targets = [], []
+    # ---- Phase 1, step 2: the state at every H-turn boundary before the end (the start included), its target =
+    # the trajectory's return (0/1 won); a state whose critic prompt is over budget is skipped
+    boundary_states, too_long = [], 0
     for traj in trajectories:
         for round_index in range(traj.start.round_index, traj.round_index, args.macro_rounds):
             messages = traj.messages[: len(traj.start.messages) + 2 * (round_index - traj.start.round_index)]
-            prompts.append(rt.critic_prompt(traj.start.game_file, traj.start.task, messages, round_index))
-            targets.append(1.0 if traj.won else 0.0)
+            prompt = rt.critic_prompt(traj.start.game_file, traj.start.task, messages, round_index)
+            if prompt is None:
+                too_long += 1
+            else:
+                boundary_states.append((traj, prompt, 1.0 if traj.won else 0.0))
+    targets = [target for _, _, target in boundary_states]
 
     # ---- Phase 1, step 3: K critic samples per boundary state, reward -|V - G| / r_max centred within the K
     K = args.critic_samples
-    replies = rt.sample_fn([p for p in prompts for _ in range(K)], args.max_critic_tokens)
-    datums, all_values, degenerate = [], [], 0
-    for i, (prompt, target) in enumerate(zip(prompts, targets)):
+    batch = [prompt for _, prompt, _ in boundary_states for _ in range(K)]
+    replies = rt.sample_fn(batch, args.max_critic_tokens) if batch else []
+    datums, values_per_state, degenerate = [], [], 0
+    for i, (_, prompt, target) in enumerate(boundary_states):
         group_replies = replies[i * K : (i + 1) * K]
         values = [parse_value(r.text) for r in group_replies]
-        all_values += values
+        values_per_state.append(values)
         _, advantages = critic_signals(values, target, args.r_max)
         if is_degenerate(advantages):
             degenerate += 1
@@ -1183,35 +1242,37 @@ def warmup_update(rt: Runtime) -> tuple[dict, list[dict]]:
     # ---- Phase 1, step 4: update the critic only
     metrics = rt.train(datums)
     metrics.update(rollout_metrics(trajectories))
-    metrics.update(critic_metrics(all_values, [g for g in targets for _ in range(K)]))
+    metrics.update(critic_metrics(values_per_state, targets, "critic/value_corr"))
     metrics.update(
         {
             "warmup/success_rate": sum(t.won for t in trajectories) / max(1, len(trajectories)),
-            "warmup/boundary_states": float(len(prompts)),
+            "warmup/boundary_states": float(len(boundary_states) + too_long),
+            "critic/prompt_too_long_rate": too_long / max(1, len(boundary_states) + too_long),
             "critic/value_target_mean": statistics.fmean(targets) if targets else 0.0,
             "critic/value_target_std": statistics.pstdev(targets) if targets else 0.0,
-            "critic/degenerate_group_rate": degenerate / max(1, len(prompts)),
+            "critic/degenerate_group_rate": degenerate / max(1, len(boundary_states)),
             "time/rollout": t_rollout - t0,
             "time/critic": t_critic - t_rollout,
             "time/update": time.time() - t_critic,
         }
     )
-    samples = [sample_row(trajectories[0], critic_reply=replies[0].text, value_target=targets[0])] if prompts else []
+    samples = []
+    if boundary_states:
+        samples.append(sample_row(boundary_states[0][0], critic_reply=replies[0].text, value_target=targets[0]))
     return metrics, samples
 
 
 # =============================================================================================
 # Phase 2: TD loop (actor + critic)
 # =============================================================================================
-def can_continue(traj: common.Trajectory, args: Args) -> bool:
-    """Stopped at the macro boundary with room for another turn: not won, under T, within the token budget."""
-    fits = len(traj.tokens) + args.max_turn_tokens <= args.max_trajectory_tokens
-    return traj.stop_reason == common.STOP_HORIZON and fits
+def has_room(traj: common.Trajectory, args: Args) -> bool:
+    """Another turn fits in the episode's token budget."""
+    return len(traj.tokens) + args.max_turn_tokens <= args.max_trajectory_tokens
 
 
 def prefix_weights(rt: Runtime, starts: Sequence[common.SavedState]) -> list[float | None]:
-    """exp(log p_now(prefix) - log p_old(prefix)) over the prefix's generated tokens, clipped to the ceiling;
-    None for a state without generated tokens (a fresh game: nothing to correct)."""
+    """exp(log p_now(prefix) - log p_old(prefix)) over the prefix's generated tokens, clipped to
+    [1 / max, max]; None for a state without generated tokens (a fresh game: nothing to correct)."""
     with_prefix = [i for i, s in enumerate(starts) if any(k >= 0 for k in s.prefix_step_ids)]
     current = sequence_logprobs(
         rt.model,
@@ -1226,7 +1287,8 @@ def prefix_weights(rt: Runtime, starts: Sequence[common.SavedState]) -> list[flo
         state = starts[i]
         generated = zip(logprobs, state.prefix_logprobs, state.prefix_step_ids)
         log_ratio = sum(now - old for now, old, k in generated if k >= 0)
-        weights[i] = math.exp(min(log_ratio, math.log(rt.args.prefix_is_max_weight)))
+        bound = math.log(rt.args.prefix_is_max_weight)
+        weights[i] = math.exp(min(max(log_ratio, -bound), bound))
     return weights
 
 
@@ -1256,38 +1318,36 @@ def td_update(rt: Runtime) -> tuple[dict, list[dict]]:
     trajectories = [traj for _, group in live for traj in group]
     t_rollout = time.time()
 
-    # ---- Phase 2, step 4: value the endpoints that stopped at the macro boundary; terminal ones are worth 0
-    endpoints = [traj for traj in trajectories if can_continue(traj, args)]
+    # ---- Phase 2, step 4: value every branch that stopped at the macro boundary with the critic (also one with no
+    # token room for another turn: truncated, not ended). Terminal branches (won, at T, or out of tokens mid-segment)
+    # are worth 0
+    endpoints = [traj for traj in trajectories if traj.stop_reason == common.STOP_HORIZON]
     endpoint_prompts = [rt.critic_prompt(t.start.game_file, t.start.task, t.messages, t.round_index) for t in endpoints]
     start_prompts = [rt.critic_prompt(s.game_file, s.task, s.messages, s.round_index) for s, _ in live]
-    critic_batch = [p for p in endpoint_prompts for _ in range(E)] + [p for p in start_prompts for _ in range(K)]
-    replies = rt.sample_fn(critic_batch, args.max_critic_tokens)  # one batched call for all critic samples
-    endpoint_replies, start_replies = replies[: len(endpoints) * E], replies[len(endpoints) * E :]
+    critic_batch = [p for p in endpoint_prompts if p is not None for _ in range(E)]
+    critic_batch += [p for p in start_prompts if p is not None for _ in range(K)]
+    replies = iter(rt.sample_fn(critic_batch, args.max_critic_tokens) if critic_batch else [])  # one batched call
     endpoint_value, endpoint_failures = {}, 0
-    for i, traj in enumerate(endpoints):
-        parsed = [v for v in (parse_value(r.text) for r in endpoint_replies[i * E : (i + 1) * E]) if v is not None]
-        endpoint_failures += not parsed
-        endpoint_value[id(traj)] = statistics.fmean(parsed) if parsed else 0.0
+    for traj, prompt in zip(endpoints, endpoint_prompts):
+        values = [parse_value(next(replies).text) for _ in range(E)] if prompt is not None else []
+        parsed = [v for v in values if v is not None]
+        endpoint_failures += len(values) - len(parsed)
+        endpoint_value[id(traj)] = statistics.fmean(parsed) if parsed else 0.0  # all failed or not sent: 0
+    start_replies = [[next(replies) for _ in range(K)] if p is not None else [] for p in start_prompts]
 
     # ---- Phase 2, step 5: signals. Actor: A_n = R_n - mean(R). Critic: K samples on the start state vs G
     weights = prefix_weights(rt, [s for s, _ in live]) if args.prefix_is_correction else [None] * len(live)
     datums, samples = [], []
     critic_values, critic_targets, value_targets, zero_reward_gaps = [], [], [], []
     degenerate_actor = degenerate_critic = 0
-    for g, ((start, group), weight) in enumerate(zip(live, weights)):
+    for g, ((start, group), weight, group_replies) in enumerate(zip(live, weights, start_replies)):
         terminal = [id(traj) not in endpoint_value for traj in group]
         values = [endpoint_value.get(id(traj)) for traj in group]
         segment_rewards = [traj.reward for traj in group]
         returns, value_target, advantages = actor_signals(segment_rewards, values, terminal)
         value_targets.append(value_target)
         zero_reward_values = [v for v, r, done in zip(values, segment_rewards, terminal) if not done and r == 0]
-        if len(zero_reward_values) >= 2:
-            zero_reward_gaps.append(statistics.pstdev(zero_reward_values))
-        group_replies = start_replies[g * K : (g + 1) * K]
-        start_values = [parse_value(r.text) for r in group_replies]
-        critic_values += start_values
-        critic_targets += [value_target] * K
-        _, critic_advantages = critic_signals(start_values, value_target, args.r_max)
+        zero_reward_gaps.append(statistics.pstdev(zero_reward_values) if len(zero_reward_values) >= 2 else 0.0)
 
         # ---- Phase 2, step 6 (datums): actor = saved prefix + segment, critic = critic prompt + reply
         if is_degenerate(advantages):
@@ -1295,10 +1355,15 @@ def td_update(rt: Runtime) -> tuple[dict, list[dict]]:
         else:
             scale = 1.0 if weight is None else weight
             datums += [actor_datum(traj, a * scale) for traj, a in zip(group, advantages)]
-        if is_degenerate(critic_advantages):
-            degenerate_critic += 1
-        else:
-            datums += [critic_datum(start_prompts[g], r, a) for r, a in zip(group_replies, critic_advantages)]
+        if group_replies:  # not sent when the start state's critic prompt is over budget
+            start_values = [parse_value(r.text) for r in group_replies]
+            critic_values.append(start_values)
+            critic_targets.append(value_target)
+            _, critic_advantages = critic_signals(start_values, value_target, args.r_max)
+            if is_degenerate(critic_advantages):
+                degenerate_critic += 1
+            else:
+                datums += [critic_datum(start_prompts[g], r, a) for r, a in zip(group_replies, critic_advantages)]
         if g == 0:
             samples.append(
                 sample_row(
@@ -1306,7 +1371,7 @@ def td_update(rt: Runtime) -> tuple[dict, list[dict]]:
                     segment_reward=segment_rewards[0],
                     endpoint_value=values[0],
                     advantage=advantages[0],
-                    critic_reply=group_replies[0].text,
+                    critic_reply=group_replies[0].text if group_replies else None,
                     value_target=value_target,
                 )
             )
@@ -1316,32 +1381,35 @@ def td_update(rt: Runtime) -> tuple[dict, list[dict]]:
     metrics = rt.train(datums)
     t_update = time.time()
 
-    # ---- Phase 2, step 7: endpoints that can still continue go back into the store
-    for traj in endpoints:
+    # ---- Phase 2, step 7: endpoints with room for another turn (and a critic prompt within budget, so they can be
+    # valued again) go back into the store
+    stored = [t for t, p in zip(endpoints, endpoint_prompts) if p is not None and has_room(t, args)]
+    for traj in stored:
         rt.store.add(traj.saved_state())
 
     metrics.update(rollout_metrics(trajectories))
-    metrics.update(critic_metrics(critic_values, critic_targets))
+    metrics.update(critic_metrics(critic_values, critic_targets, "critic/td_target_corr"))
     parsed_weights = [w for w in weights if w is not None]
     if parsed_weights:
         metrics["td/prefix_is_weight_mean"] = statistics.fmean(parsed_weights)
         metrics["td/prefix_is_weight_max"] = max(parsed_weights)
-    if zero_reward_gaps:
-        metrics["actor/value_gap_zero_reward"] = statistics.fmean(zero_reward_gaps)
     if endpoints:
         metrics["critic/endpoint_value_mean"] = statistics.fmean(endpoint_value.values())
+    critic_prompts = endpoint_prompts + start_prompts
     metrics.update(
         {
             "critic/endpoint_parse_failures": float(endpoint_failures),
+            "critic/prompt_too_long_rate": sum(p is None for p in critic_prompts) / max(1, len(critic_prompts)),
             "critic/value_target_mean": statistics.fmean(value_targets) if value_targets else 0.0,
             "critic/value_target_std": statistics.pstdev(value_targets) if value_targets else 0.0,
-            "critic/degenerate_group_rate": degenerate_critic / max(1, len(live)),
+            "critic/degenerate_group_rate": degenerate_critic / max(1, len(critic_values)),
             "actor/segment_reward_mean": statistics.fmean(t.reward for t in trajectories) if trajectories else 0.0,
             "actor/degenerate_group_rate": degenerate_actor / max(1, len(live)),
             "actor/macro_boundary_rate": len(endpoints) / max(1, len(trajectories)),
+            "actor/value_gap_zero_reward": statistics.fmean(zero_reward_gaps) if zero_reward_gaps else 0.0,
             "td/store_size": float(len(rt.store)),
             "td/fresh_states": float(fresh),
-            "td/new_endpoints": float(len(endpoints)),
+            "td/new_endpoints": float(len(stored)),
             "td/macro_index_mean": macro_index_mean,
             "td/restore_failures": float(restore_failures),
             "time/rollout": t_rollout - t0,
