@@ -260,6 +260,7 @@ def test_checkpoint_round_trip_continues_exactly(name, games_root, tiny_model_di
             rt.optimizer,
             accelerator,
             datums,
+            module.policy_loss,
             temperature=1.0,
             pad_id=rt.tokenizer.pad_token_id,
             micro_batch_tokens=4096,
