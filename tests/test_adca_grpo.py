@@ -523,11 +523,11 @@ def test_update_moves_logprob_with_the_advantage_sign(runtime, sign):
         rt.optimizer,
         rt.accelerator,
         [datum],
+        adca_grpo.policy_loss,
         temperature=rt.args.temperature,
         pad_id=rt.tokenizer.pad_token_id,
         micro_batch_tokens=8192,
         max_grad_norm=1.0,
-        clip=(0.2, 0.2),
     )
     assert (
         metrics["train/tokens"] == sum(mask)
@@ -535,6 +535,49 @@ def test_update_moves_logprob_with_the_advantage_sign(runtime, sign):
         and metrics["train/nonfinite_skipped"] == 0
     )
     assert (generated_logprob() - before) * sign > 1e-4
+
+
+def loss_and_grad(logprobs, old, advantages, ref=None, **config):
+    logprobs = torch.tensor([logprobs], dtype=torch.float64, requires_grad=True)
+    batch = {
+        "old_logprobs": torch.tensor([old], dtype=torch.float64),
+        "advantages": torch.tensor([advantages], dtype=torch.float64),
+        "mask": torch.ones(1, len(old), dtype=torch.float64),
+    }
+    if ref is not None:
+        batch["ref_logprobs"] = torch.tensor([ref], dtype=torch.float64)
+    loss, stats = adca_grpo.policy_loss(logprobs, batch, float(len(old)), **config)
+    loss.backward()
+    return loss.item(), logprobs.grad[0].tolist(), stats
+
+
+def test_policy_loss_clip_higher_and_dual_clip():
+    up, down = math.log(1.25), math.log(0.5)  # ratios 1.25 and 0.5
+    # A > 0, ratio 1.25: clipped at 1.2 (no gradient), but not with clip-higher 0.28
+    assert loss_and_grad([up], [0.0], [1.0])[1] == [0.0]
+    loss, grad, stats = loss_and_grad([up], [0.0], [1.0], clip_eps_high=0.28)
+    assert loss == pytest.approx(-1.25) and grad[0] == pytest.approx(-1.25) and stats["clip_frac"] == 0
+    # A < 0, ratio 0.5: clipped at 0.8
+    loss, grad, stats = loss_and_grad([down], [0.0], [-1.0])
+    assert loss == pytest.approx(0.8) and grad == [0.0] and stats["clip_frac"] == 1
+    # A < 0, ratio e^3 = 20: PPO's loss is 20 |A|; dual clip caps it at 3 |A| and stops the gradient
+    loss, grad, _ = loss_and_grad([3.0], [0.0], [-2.0])
+    assert loss == pytest.approx(2 * math.exp(3)) and grad[0] == pytest.approx(2 * math.exp(3))
+    loss, grad, stats = loss_and_grad([3.0], [0.0], [-2.0], dual_clip_c=3.0)
+    assert loss == pytest.approx(6.0) and grad == [0.0] and stats["dual_clip_frac"] == 1
+    # dual clip leaves positive advantages and small ratios alone
+    assert loss_and_grad([3.0], [0.0], [2.0], dual_clip_c=3.0)[0] == pytest.approx(-2 * 1.2)
+    assert loss_and_grad([0.1], [0.0], [-1.0], dual_clip_c=3.0)[0] == pytest.approx(math.exp(0.1))
+
+
+@pytest.mark.parametrize("offset", [0.5, -0.5])
+def test_kl_loss_term_pulls_toward_the_base_model(offset):
+    # no advantage: the only gradient is the k3 KL's, and descending it moves logp toward the reference
+    loss, grad, stats = loss_and_grad([-1.0 + offset], [-1.0 + offset], [0.0], ref=[-1.0], kl_loss_coef=0.5)
+    k3 = math.exp(-offset) + offset - 1
+    assert loss == pytest.approx(0.5 * k3) and stats["kl_k3"] == pytest.approx(k3)
+    assert grad[0] * offset > 0  # positive gradient where logp > ref: a descent step lowers logp
+    assert loss_and_grad([-1.0], [-1.0], [0.0], ref=[-1.0], kl_loss_coef=0.5)[1] == [0.0]
 
 
 def test_kl_to_the_base_model(runtime):
@@ -547,6 +590,76 @@ def test_kl_to_the_base_model(runtime):
                 param.normal_(0.0, 0.5)
     metrics, _ = adca_grpo.adca_update(rt, 2)
     assert metrics["train/kl"] > 1e-3 and metrics["train/tokens"] == metrics["rollout/generated_tokens"]
+    rt.args.kl_beta, rt.args.kl_loss_coef = 0.0, 0.001  # the loss form: k3 >= 0, > 0 away from the base model
+    metrics, _ = adca_grpo.adca_update(rt, 3)
+    assert metrics["train/kl_k3"] > 1e-4 and metrics["train/kl"] > 1e-3
+
+
+def test_ppo_epochs_and_mini_batches(runtime):
+    rt = runtime(attribution=False, ppo_epochs=2, mini_batches=2, learning_rate=1e-2, kl_loss_coef=1.0)
+    with torch.no_grad():  # away from the base model, so that the KL term moves the policy even with zero advantages
+        for name, param in rt.accelerator.unwrap_model(rt.model).named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, 0.5)
+    metrics, _ = adca_grpo.adca_update(rt, 1)
+    assert metrics["train/optimizer_steps"] == 4 and metrics["train/tokens"] == metrics["rollout/generated_tokens"]
+    # the ratio starts at 1 (old logprobs = the policy's before the first step); later steps see the policy move
+    assert metrics["train/ratio_max"] > 1.0 + 1e-4 and metrics["train/nonfinite_skipped"] == 0
+
+
+def scripted_labeler(requests):
+    """Labels like a judge that calls every odd step GOOD and every even one BAD."""
+    return [adca_grpo.LabelReply(judgments(r.num_steps), None, 0.01, 1) for r in requests]
+
+
+scripted_labeler.model_name = "scripted"
+
+
+@pytest.mark.parametrize("metrics_only", [False, True])
+def test_labels_reach_the_trained_advantages_unless_metrics_only(runtime, metrics_only):
+    rt = runtime(prm_metrics_only=metrics_only, labeler_backend="self")
+    rt.labeler = scripted_labeler
+    metrics, samples = adca_grpo.adca_update(rt, 1)
+    assert metrics["prm/label_requests"] == 4 and metrics["prm/good_rate"] == 0.5  # labelled either way
+    assert "prm/decouple/alpha_effective" in metrics and "prm/neg_traj_bad_rate" in metrics
+    for sample in samples:
+        assert sample["step_flags"] == [True, False][: len(sample["step_flags"])]
+        distinct = len(set(sample["step_advantages"]))
+        assert distinct == (1 if metrics_only or len(sample["step_flags"]) < 2 else len(sample["step_flags"]))
+
+
+def test_skip_small_adv_through_an_update(runtime):
+    rt = runtime(skip_type="skip_small_adv", labeler_backend="self")
+    asked = []
+    rt.labeler = lambda requests: asked.extend(requests) or scripted_labeler(requests)
+    rt.labeler.model_name = "scripted"
+    metrics, _ = adca_grpo.adca_update(rt, 1)
+    uniform_groups = metrics["rollout/groups_all_won"] + metrics["rollout/groups_all_lost"]
+    assert metrics["prm/skipped"] == 2 * uniform_groups and len(asked) == 4 - 2 * uniform_groups
+    assert metrics["prm/label_requests"] == len(asked) and metrics["train/tokens"] > 0
+
+
+def test_labeller_down_inside_an_update_then_back(runtime, api_key):
+    healthy = {"now": True}
+
+    def behave(content, attempt):
+        if content == "Reply with OK." or healthy["now"]:
+            return 200, "OK" if content == "Reply with OK." else judgments(int(content.split("STEPS (")[1].split(" ")[0])), 0.0
+        return 200, None, 0.0  # connection dropped
+
+    with ScriptedEndpoint(behave) as server:
+        endpoint = {k: v for k, v in vars(api_args(server.url)).items() if k.startswith("labeler_")}
+        rt = runtime(**{**endpoint, "labeler_circuit_failures": 2, "labeler_error_backoff_s": 30.0})
+        healthy["now"] = False
+        metrics, samples = adca_grpo.adca_update(rt, 1)
+        assert metrics["prm/circuit_open"] == 1 and metrics["prm/label_failures"] == 4 and metrics["time/label"] < 10
+        assert metrics["train/tokens"] == metrics["rollout/generated_tokens"]  # trained on the fallback labels
+        assert all(len(set(s["step_flags"])) <= 1 for s in samples)
+        healthy["now"] = True  # the next update tries again
+        metrics, _ = adca_grpo.adca_update(rt, 2)
+        assert metrics["prm/circuit_open"] == 0 and metrics["prm/label_failures"] == 0
+        assert metrics["prm/label_requests"] == 4
+
 
 
 @pytest.mark.parametrize(
@@ -554,6 +667,11 @@ def test_kl_to_the_base_model(runtime):
     [
         (dict(trajectories_per_game=1), "--trajectories-per-game"),
         (dict(clip_eps=0.0), "--clip-eps"),
+        (dict(dual_clip_c=1.0), "--dual-clip-c"),
+        (dict(kl_loss_coef=-1.0), "--kl-loss-coef"),
+        (dict(ppo_epochs=0), "--ppo-epochs"),
+        (dict(mini_batches=0), "--mini-batches"),
+        (dict(labeler_circuit_failures=0), "--labeler-circuit-failures"),
         (dict(alpha=-0.1), "--alpha"),
         (dict(alpha_schedule="cosine", alpha=0.1, alpha_min=0.2), "--alpha-min"),
         (dict(labeler_backend="api"), "--labeler-base-url"),
@@ -598,8 +716,14 @@ def test_smoke_self_labeler(games_root, tiny_model_dir, tmp_path):
     assert (run_dir / "checkpoints" / "update_000002" / "adapter_model.safetensors").is_file()
 
 
-def test_smoke_api_labeler_then_resume_as_plain_grpo(games_root, tiny_model_dir, tmp_path, api_key):
+def read_samples(run_dir):
+    return [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+
+
+def test_smoke_api_labeler_prm_steps_then_resume_as_plain_grpo(games_root, tiny_model_dir, tmp_path, api_key):
     def behave(content, attempt):
+        if content == "Reply with OK.":  # the start-up check
+            return 200, "OK", 0.0
         if attempt == 1 and "Step 2\n" in content:
             return 429, RATE_LIMITED, 0.0
         return 200, judgments(int(content.split("STEPS (")[1].split(" ")[0])), 0.0
@@ -611,13 +735,22 @@ def test_smoke_api_labeler_then_resume_as_plain_grpo(games_root, tiny_model_dir,
             if k.startswith("labeler_") and k != "labeler_max_new_tokens"
         }
         args = small_args(
-            games_root, tiny_model_dir, tmp_path, **{**endpoint, "labeler_log_dir": str(tmp_path / "labels")}
+            games_root,
+            tiny_model_dir,
+            tmp_path,
+            **{**endpoint, "labeler_log_dir": str(tmp_path / "labels"), "prm_steps": 1},
         )
         run_dir = adca_grpo.main(args)
     rows = read_metrics(run_dir)
-    assert {r["labeler"] for r in rows} == {"api"} and all(r["prm/label_requests"] == 4 for r in rows)
-    assert all(r["prm/label_failures"] == 0 and r["prm/parse_failures"] == 0 for r in rows)
-    assert all(r["prm/good_rate"] > 0 and r["prm/decouple/attr_std"] > 0 for r in rows)  # labels reached the advantages
+    assert {r["labeler"] for r in rows} == {"api"} and [r["prm/labelling"] for r in rows] == [1.0, 0.0]
+    assert rows[0]["prm/label_requests"] == 4 and "prm/label_requests" not in rows[1]  # --prm-steps 1
+    assert rows[0]["prm/label_failures"] == 0 and rows[0]["prm/parse_failures"] == 0
+    assert rows[0]["prm/good_rate"] > 0 and rows[0]["prm/decouple/attr_std"] > 0
+    samples = read_samples(run_dir)
+    # update 1: the labels (GOOD, BAD, ...) reach the trained step advantages; update 2: plain GRPO, one per episode
+    labelled = [s for s in samples if s["update"] == 1 and len(s["step_flags"]) >= 2]
+    assert labelled and all(len(set(s["step_advantages"])) == len(s["step_flags"]) for s in labelled)
+    assert all(len(set(s["step_advantages"])) == 1 for s in samples if s["update"] == 2 and s["step_flags"])
     for path in tmp_path.rglob("*"):
         if path.is_file() and path.suffix in (".jsonl", ".json"):
             assert SECRET not in path.read_text()
@@ -632,3 +765,13 @@ def test_smoke_api_labeler_then_resume_as_plain_grpo(games_root, tiny_model_dir,
     )
     state = json.loads((run_dir / "checkpoints" / "update_000003" / "trainer_state.json").read_text())
     assert state["algorithm"] == "adca_grpo" and state["update"] == 3
+
+
+def test_smoke_api_labeler_fails_at_start_on_a_dead_endpoint(games_root, tiny_model_dir, tmp_path, api_key):
+    with ScriptedEndpoint(lambda content, attempt: (200, "OK", 0.0)) as server:
+        closed_url = server.url
+    endpoint = {k: v for k, v in vars(api_args(closed_url)).items() if k.startswith("labeler_")}
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="--labeler-base-url .* cannot reach"):
+        adca_grpo.main(small_args(games_root, tiny_model_dir, tmp_path, **endpoint))
+    assert time.monotonic() - start < 30 and not list(tmp_path.glob("adca_grpo__*"))  # before any run dir
