@@ -98,9 +98,9 @@ class Args:
     """token budget of one episode (an episode stops before overflowing it)"""
     clip_eps: float = 0.2
     """PPO clip range below 1 (and above, unless --clip-eps-high is set)"""
-    clip_eps_high: float | None = None
-    """PPO clip range above 1 (DAPO's clip-higher); None = --clip-eps"""
-    dual_clip_c: float | None = None
+    clip_eps_high: float | None = 0.28
+    """PPO clip range above 1 (DAPO's clip-higher, AgentEvolver's 0.28); None = --clip-eps"""
+    dual_clip_c: float | None = 3.0
     """dual-clip PPO: the loss of a token with a negative advantage is capped at c * |A| (AgentEvolver: 3); None = off"""
     kl_beta: float = 0.0
     """weight of the per-token KL to the base model (the adapter disabled) subtracted from the advantage; 0 = off"""

@@ -379,13 +379,14 @@ def look_trajectories(all_games, protocol):
 
 
 def test_label_trajectories_through_the_api(api_key, look_trajectories, tmp_path):
-    room_of = [traj.start.observation.strip() for traj in look_trajectories]
-    assert room_of[1] != room_of[3]
+    room_of = [traj.start.observation.strip() for traj in look_trajectories]  # 2 games x 2 branches
+    assert room_of[0] == room_of[1] != room_of[3]
 
     def behave(content, attempt):
-        if room_of[1] in content:
+        lost = "OUTCOME: -1.0000 (negative)" in content
+        if lost and room_of[1] in content:
             return 500, SERVER_ERROR, 0.0
-        if room_of[3] in content:
+        if lost and room_of[3] in content:
             return 200, "I think the agent did fine overall.", 0.0  # no judgments: unparsable
         return 200, judgments(2), 0.0
 

@@ -78,6 +78,8 @@ def judge_endpoint(delay_s: float = 0.0) -> ScriptedEndpoint:
     """GOOD/BAD per step from a hash of the request (the same request always gets the same labels), after delay_s."""
 
     def behave(content, attempt):
+        if "STEPS (" not in content:  # adca_grpo's start-up check of the endpoint
+            return 200, "OK", delay_s
         steps = int(content.split("STEPS (")[1].split(" ")[0])
         labels = [hashlib.sha256(f"{content}{j}".encode()).digest()[0] % 2 for j in range(steps)]
         return (
