@@ -1160,7 +1160,9 @@ def step_advantages(
     GRPO outcome advantage, whatever the decouple settings say. Otherwise: suffix sums of the decouple's step
     rewards (decouple_step_rewards' keyword arguments)."""
     if decouple is None:
-        return [[advantage] * len(flags) for advantage, flags in zip(grpo_advantages(orm_scores, group_ids), step_flags)]
+        return [
+            [advantage] * len(flags) for advantage, flags in zip(grpo_advantages(orm_scores, group_ids), step_flags)
+        ]
     return suffix_sum(decouple_step_rewards(orm_scores, step_flags, group_ids, **decouple))
 
 
@@ -1383,7 +1385,9 @@ class ApiLabeler:
         circuit = CircuitBreaker(args.labeler_circuit_failures)
         client = openai.AsyncOpenAI(base_url=args.labeler_base_url, api_key=self.api_key, max_retries=0)
         async with client:
-            replies = await asyncio.gather(*(self._label_one(client, r, semaphore, deadline, circuit) for r in requests))
+            replies = await asyncio.gather(
+                *(self._label_one(client, r, semaphore, deadline, circuit) for r in requests)
+            )
         if circuit.open.is_set():
             self.circuit_opened = True
             print(

@@ -119,7 +119,13 @@ def test_plain_grpo_for_every_flag_combination():
             for update in (1, 2, 3):
                 decouple = adca_grpo.trained_decouple(args, update)
                 advantages = adca_grpo.step_advantages(orm, flags, groups, decouple)
-                if attribution and alpha > 0 and update <= 2 and not metrics_only and (schedule, update) != ("cosine", 2):
+                if (
+                    attribution
+                    and alpha > 0
+                    and update <= 2
+                    and not metrics_only
+                    and (schedule, update) != ("cosine", 2)
+                ):
                     assert decouple is not None  # labels shape this update (cosine reaches alpha-min 0 at update 2)
                     attributed += 1
                     continue
@@ -644,8 +650,10 @@ def test_labeller_down_inside_an_update_then_back(runtime, api_key):
     healthy = {"now": True}
 
     def behave(content, attempt):
-        if content == "Reply with OK." or healthy["now"]:
-            return 200, "OK" if content == "Reply with OK." else judgments(int(content.split("STEPS (")[1].split(" ")[0])), 0.0
+        if content == "Reply with OK.":  # the start-up check
+            return 200, "OK", 0.0
+        if healthy["now"]:
+            return 200, judgments(int(content.split("STEPS (")[1].split(" ")[0])), 0.0
         return 200, None, 0.0  # connection dropped
 
     with ScriptedEndpoint(behave) as server:
@@ -660,7 +668,6 @@ def test_labeller_down_inside_an_update_then_back(runtime, api_key):
         metrics, _ = adca_grpo.adca_update(rt, 2)
         assert metrics["prm/circuit_open"] == 0 and metrics["prm/label_failures"] == 0
         assert metrics["prm/label_requests"] == 4
-
 
 
 @pytest.mark.parametrize(
