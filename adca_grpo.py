@@ -161,7 +161,7 @@ class Args:
     labeler_error_backoff_cap_s: float = 15.0
     """longest wait after another error"""
     labeler_max_step_chars: int = 2000
-    """the first observation and each step's reply and observation shown to the labeller are cut to this many characters"""
+    """the first observation and each step's reply and answer shown to the labeller are cut to this many characters"""
     labeler_max_new_tokens: int = 4096
     """longest labeller reply (tokens)"""
     labeler_log_dir: str = ""

@@ -334,8 +334,9 @@ def test_circuit_opens_on_connection_failures_and_ends_the_wait(api_key):
         elapsed = time.monotonic() - start
     assert labeler.circuit_opened and all(r.text is None for r in replies)
     assert all(r.error.startswith("circuit open") for r in replies)
-    assert sum(len(times) for times in server.attempt_times.values()) == 3  # the ones in flight when it opened
-    assert sorted(r.attempts for r in replies) == [0, 0, 0, 1, 1, 1]
+    # sent: the 3 failures that opened it, plus at most concurrency - 1 started as the first failures freed a slot
+    sent = sum(len(times) for times in server.attempt_times.values())
+    assert 3 <= sent <= 3 + 2 and sum(r.attempts for r in replies) == sent and max(r.attempts for r in replies) == 1
     assert elapsed < 10.0  # not one 30 s backoff was waited out
 
 
