@@ -18,6 +18,7 @@ Phase 2 (TD loop) trains actor and critic together, in one forward/backward and 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -391,19 +392,27 @@ def sequence_logprobs(
 
 @dataclass
 class Datum:
-    """One training sequence: per token the old (sampling) logprob, the advantage and whether it is trained."""
+    """One training sequence: per token the old (sampling) logprob, the advantage and whether it is trained;
+    ref_logprobs (the base model's, for a KL loss term) when the loss needs them."""
 
     tokens: list[int]
     old_logprobs: list[float]
     advantages: list[float]
     mask: list[float]
+    ref_logprobs: list[float] | None = None
 
     def __post_init__(self):
         n = len(self.tokens)
         if not (len(self.old_logprobs) == len(self.advantages) == len(self.mask) == n) or n < 2:
             raise ValueError(f"datum fields must have one entry per token (>= 2 tokens), got {n} tokens")
+        if self.ref_logprobs is not None and len(self.ref_logprobs) != n:
+            raise ValueError(f"ref_logprobs must have one entry per token ({n}), got {len(self.ref_logprobs)}")
         if self.mask[0]:
             raise ValueError("the first token of a datum has no prediction and cannot be trained")
+
+
+# loss_fn(logprobs, batch, total_tokens) -> (loss, stats); see train_step
+LossFn = Callable[[torch.Tensor, dict[str, torch.Tensor], float], tuple[torch.Tensor, dict[str, float]]]
 
 
 def train_step(
@@ -411,18 +420,21 @@ def train_step(
     optimizer,
     accelerator,
     datums: list[Datum],
+    loss_fn: LossFn,
     *,
     temperature: float,
     pad_id: int,
     micro_batch_tokens: int,
     max_grad_norm: float,
-    clip: tuple[float, float] | None = None,
 ) -> dict:
     """One optimizer step on all datums (token-budget micro-batches, gradient accumulation).
 
-    Loss per trained token, ratio = exp(logp - old_logp): clip=None is the importance-sampling policy
-    gradient -ratio * A (Tinker style); clip=(eps_low, eps_high) is PPO's -min(ratio * A, clip(ratio) * A).
-    Token mean over the whole update, all processes together. A non-finite loss or gradient norm skips the step."""
+    The algorithm's loss_fn gets the policy's teacher-forced logprobs of one micro-batch [rows, width], the
+    micro-batch's right-padded datum fields (old_logprobs, advantages, mask; ref_logprobs when every datum has them)
+    and the number of trained tokens of the whole update on all processes; it returns the micro-batch's share of the
+    update's loss and per-token sums, logged as train/{name} means. A non-finite loss or gradient norm skips the step."""
+    from accelerate.utils import gather_object
+
     policy = accelerator.unwrap_model(model)  # gradients are summed across processes by hand below
     policy.train()
     params = [p for p in policy.parameters() if p.requires_grad]
@@ -432,31 +444,28 @@ def train_step(
     optimizer.zero_grad(set_to_none=True)
     if total_tokens == 0:
         return {"train/tokens": 0.0, "train/nonfinite_skipped": 0.0}
-    loss_sum = ratio_sum = clipped = 0.0
-    ratio_max = 0.0
+    loss_sum = ratio_sum = ratio_max = 0.0
+    stat_sums: dict[str, float] = {}
     for batch in token_budget_batches([len(d.tokens) for d in datums], micro_batch_tokens):
         rows = [datums[i] for i in batch]
         width = max(len(d.tokens) for d in rows)
-
-        def padded(field: str) -> torch.Tensor:
-            return torch.tensor([getattr(d, field) + [0.0] * (width - len(d.tokens)) for d in rows], device=device)
-
+        fields = ["old_logprobs", "advantages", "mask"] + (
+            ["ref_logprobs"] if all(d.ref_logprobs is not None for d in rows) else []
+        )
+        padded = {
+            name: torch.tensor([getattr(d, name) + [0.0] * (width - len(d.tokens)) for d in rows], device=device)
+            for name in fields
+        }
         logprobs = forward_logprobs(policy, [d.tokens for d in rows], temperature, pad_id, device)
-        old_logprobs, advantages, mask = padded("old_logprobs"), padded("advantages"), padded("mask")
-        ratio = torch.exp(logprobs - old_logprobs)
-        if clip is None:
-            per_token = -ratio * advantages
-            is_clipped = torch.zeros_like(mask)
-        else:
-            clipped_ratio = ratio.clamp(1.0 - clip[0], 1.0 + clip[1])
-            per_token = -torch.minimum(ratio * advantages, clipped_ratio * advantages)
-            is_clipped = (clipped_ratio * advantages < ratio * advantages).float()
-        loss = (per_token * mask).sum() / total_tokens
+        loss, stats = loss_fn(logprobs, padded, total_tokens)
         loss.backward()
         loss_sum += loss.item()
-        ratio_sum += (ratio.detach() * mask).sum().item()
-        ratio_max = max(ratio_max, (ratio.detach() * mask).max().item())
-        clipped += (is_clipped * mask).sum().item()
+        ratio = torch.exp(logprobs.detach() - padded["old_logprobs"]) * padded["mask"]
+        ratio_sum += ratio.sum().item()
+        ratio_max = max(ratio_max, ratio.max().item())
+        for name, value in stats.items():
+            stat_sums[name] = stat_sums.get(name, 0.0) + float(value)
+    names = sorted(stat_sums)
     if accelerator.num_processes > 1:
         flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in params])
         torch.distributed.all_reduce(flat)
@@ -464,9 +473,12 @@ def train_step(
         for p in params:
             p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
             offset += p.numel()
+        names = sorted({name for rank_names in gather_object([names]) for name in rank_names})
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm).item()
-    sums = accelerator.reduce(torch.tensor([loss_sum, ratio_sum, clipped], dtype=torch.float64, device=device), "sum")
-    loss_total, ratio_total, clipped_total = sums.tolist()
+    sums = [loss_sum, ratio_sum] + [stat_sums.get(name, 0.0) for name in names]
+    loss_total, ratio_total, *stat_totals = accelerator.reduce(
+        torch.tensor(sums, dtype=torch.float64, device=device), "sum"
+    ).tolist()
     ratio_max = (
         accelerator.reduce(torch.tensor([ratio_max], device=device), "max").item()
         if accelerator.num_processes > 1
@@ -484,7 +496,7 @@ def train_step(
         "train/grad_norm": grad_norm,
         "train/ratio_mean": ratio_total / total_tokens,
         "train/ratio_max": ratio_max,
-        "train/clip_frac": clipped_total / total_tokens,
+        **{f"train/{name}": total / total_tokens for name, total in zip(names, stat_totals)},
         "train/nonfinite_skipped": 0.0 if finite else 1.0,
     }
 
@@ -1025,6 +1037,27 @@ class StateStore:
         return taken
 
 
+def policy_loss(
+    logprobs: torch.Tensor,
+    batch: dict[str, torch.Tensor],
+    total_tokens: float,
+    *,
+    clip: tuple[float, float] | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """train_step's loss, token mean over the whole update. ratio = exp(logp - old_logp): clip=None is the
+    importance-sampling policy gradient -ratio * A (Tinker style); clip=(eps_low, eps_high) is PPO's
+    -min(ratio * A, clip(ratio) * A)."""
+    mask, advantages = batch["mask"], batch["advantages"]
+    ratio = torch.exp(logprobs - batch["old_logprobs"])
+    if clip is None:
+        per_token, is_clipped = -ratio * advantages, torch.zeros_like(mask)
+    else:
+        clipped_ratio = ratio.clamp(1.0 - clip[0], 1.0 + clip[1])
+        per_token = -torch.minimum(ratio * advantages, clipped_ratio * advantages)
+        is_clipped = (clipped_ratio * advantages < ratio * advantages).float()
+    return (per_token * mask).sum() / total_tokens, {"clip_frac": (is_clipped * mask).sum().item()}
+
+
 def actor_datum(traj: common.Trajectory, advantage: float) -> Datum:
     """Saved prefix + this segment; only the tokens generated in this segment are trained."""
     tokens, old_logprobs, step_ids = traj.sequence()
@@ -1131,11 +1164,11 @@ class Runtime:
             self.optimizer,
             self.accelerator,
             datums,
+            functools.partial(policy_loss, clip=self.args.ppo_clip),
             temperature=self.args.temperature,
             pad_id=self.tokenizer.pad_token_id,
             micro_batch_tokens=self.args.micro_batch_tokens,
             max_grad_norm=self.args.max_grad_norm,
-            clip=self.args.ppo_clip,
         )
 
 
