@@ -455,7 +455,10 @@ class ServerSampler:
                 "the server does not allow runtime LoRA loading: start it with VLLM_ALLOW_RUNTIME_LORA_UPDATING=true"
             )
         elif "max_lora_rank" in message:
-            problem = f"--lora-rank {self.args.lora_rank} is above the server's --max-lora-rank; restart vllm serve with --max-lora-rank >= {self.args.lora_rank}"
+            problem = (
+                f"--lora-rank {self.args.lora_rank} is above the server's --max-lora-rank; "
+                f"restart vllm serve with --max-lora-rank >= {self.args.lora_rank}"
+            )
         elif "not enabled" in message.lower():
             problem = "the server was started without LoRA: start vllm serve with --enable-lora"
         elif response.status_code == 404:
@@ -535,10 +538,8 @@ class ServerSampler:
 
     def _completion(self, payload: dict) -> common.Completion:
         logprobs = payload["choices"][0].get("logprobs") or {}
-        names = logprobs.get("tokens") or []
-        if not all(isinstance(n, str) and n.startswith("token_id:") for n in names) or None in logprobs.get(
-            "token_logprobs", [None]
-        ):
+        names, values = logprobs.get("tokens") or [], logprobs.get("token_logprobs") or []
+        if len(names) != len(values) or None in values or not all(str(n).startswith("token_id:") for n in names):
             raise RuntimeError(
                 f"--sampler-url {self.url}: the completion came back without token ids and logprobs "
                 "(return_tokens_as_token_ids, logprobs); is it a vLLM server?"
@@ -546,21 +547,21 @@ class ServerSampler:
         tokens = [int(n.removeprefix("token_id:")) for n in names]
         end = tokens.index(self.tokenizer.eos_token_id) + 1 if self.tokenizer.eos_token_id in tokens else len(tokens)
         text = self.tokenizer.decode(tokens[:end], skip_special_tokens=True)
-        return common.Completion(tokens[:end], [float(x) for x in logprobs["token_logprobs"][:end]], text)
+        return common.Completion(tokens[:end], [float(x) for x in values[:end]], text)
 
 
 def error_message(response) -> str:
-    """The message of an error response: vLLM's {"error": {"message": ...}}, FastAPI's {"detail": ...}, or the body."""
+    """The message of an error response: vLLM's {"error": {"message"}} (older: {"message"}), FastAPI's {"detail"}."""
     try:
         body = response.json()
     except ValueError:
-        return response.text[:500]
+        body = None
     if isinstance(body, dict):
         error = body.get("error")
-        return str(
-            error.get("message") if isinstance(error, dict) else body.get("message") or body.get("detail") or body
-        )
-    return str(body)[:500]
+        message = error.get("message") if isinstance(error, dict) else body.get("message") or body.get("detail")
+        if message:
+            return str(message)
+    return response.text[:500]
 
 
 def token_budget_batches(lengths: Sequence[int], micro_batch_tokens: int) -> list[list[int]]:
@@ -610,7 +611,7 @@ def sequence_logprobs(
     return result
 
 
-def refresh_old_logprobs(model, accelerator, datums: list, args, pad_id: int) -> dict:
+def refresh_old_logprobs(model, accelerator, datums: list[Datum], args, pad_id: int) -> dict:
     """With --sampler vllm and --recompute-logprobs: the datums' old logprobs become the trainer's own (the
     server's kernels and precision differ), and the drift |server - trainer| over the trained tokens is reported."""
     if args.sampler != "vllm" or not args.recompute_logprobs or not datums:
@@ -1321,12 +1322,7 @@ class Runtime:
 
     def critic_prompt(self, game_file: str, task: str, messages, round_index: int) -> list[int]:
         return critic_prompt(
-            self.tokenizer,
-            task,
-            common.load_game(game_file).walkthrough,
-            messages,
-            round_index,
-            self.args.max_episode_steps,
+            self.tokenizer, task, common.load_game(game_file).walkthrough, messages, round_index, self.args.max_episode_steps
         )
 
     def train(self, datums: list[Datum]) -> dict:

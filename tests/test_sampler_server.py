@@ -109,13 +109,13 @@ def test_server_errors_are_retried_with_backoff(tiny_model_dir, trainer):
 
 def test_a_slow_server_fails_the_call_at_the_deadline(tiny_model_dir, trainer):
     args, accelerator, tokenizer, model, _ = trainer
-    with TinyVllmServer(tiny_model_dir, delay_s=3.0) as slow:
-        settings = dict(sampler_timeout_s=0.3, sampler_deadline_s=1.5)
+    with TinyVllmServer(tiny_model_dir, delay_s=2.0) as slow:
+        settings = dict(sampler_timeout_s=0.3, sampler_deadline_s=1.0)
         sampler = tempo.make_sampler(model, tokenizer, accelerator, server_args(args, slow.url, **settings))
         start = time.monotonic()
-        with pytest.raises(RuntimeError, match="not answered within --sampler-deadline-s 1.5 s"):
+        with pytest.raises(RuntimeError, match="not answered within --sampler-deadline-s 1.0 s"):
             sampler(chat_prompts(tokenizer, 2), 4)
-        assert time.monotonic() - start < 3.0
+        assert time.monotonic() - start < 2.0  # not a hang: the deadline, not the server, ended the call
 
 
 def test_a_refused_request_fails_at_once(server, trainer):
@@ -133,18 +133,16 @@ def free_port() -> int:
 
 
 @pytest.mark.parametrize(
-    "server_settings, overrides, message",
+    "server_settings, message",
     [
-        (None, {}, "no server answers GET /models"),
-        (dict(served_name="Qwen/Qwen3-4B-Instruct-2507", another_model=True), {}, r"--model .*serves \['Qwen/Qwen3"),
-        (dict(runtime_lora=False), {}, "VLLM_ALLOW_RUNTIME_LORA_UPDATING=true"),
-        (dict(enable_lora=False), {}, "--enable-lora"),
-        (dict(max_lora_rank=2), {}, "--lora-rank 4 is above the server's --max-lora-rank"),
+        (None, "no server answers GET /models"),
+        (dict(served_name="Qwen/Qwen3-4B-Instruct-2507", another_model=True), r"--model .*serves \['Qwen/Qwen3"),
+        (dict(runtime_lora=False), "VLLM_ALLOW_RUNTIME_LORA_UPDATING=true"),
+        (dict(enable_lora=False), "--enable-lora"),
+        (dict(max_lora_rank=2), "--lora-rank 4 is above the server's --max-lora-rank"),
     ],
 )
-def test_start_up_checks_fail_with_one_clear_message(
-    tiny_model_dir, tmp_path, trainer, server_settings, overrides, message
-):
+def test_start_up_checks_fail_with_one_clear_message(tiny_model_dir, tmp_path, trainer, server_settings, message):
     args, accelerator, tokenizer, model, _ = trainer
     if server_settings is None:
         with pytest.raises(ValueError, match=message):
@@ -156,7 +154,7 @@ def test_start_up_checks_fail_with_one_clear_message(
         served_dir.symlink_to(tiny_model_dir)
     with TinyVllmServer(served_dir, **server_settings) as bad:
         with pytest.raises(ValueError, match=message):
-            tempo.make_sampler(model, tokenizer, accelerator, server_args(args, bad.url, **overrides))
+            tempo.make_sampler(model, tokenizer, accelerator, server_args(args, bad.url))
 
 
 @pytest.mark.parametrize(

@@ -234,8 +234,7 @@ class TinyVllmServer:
     def sample(self, prompt: list[int], body: dict, adapter: str | None):
         """Token by token with a KV cache: temperature (0 = greedy), then top-p, then a draw; the sampled token's
         processed logprob. Stops after EOS or a stop token id (both kept, as vLLM keeps them in token_ids)."""
-        temperature = float(body.get("temperature", 1.0) if body.get("temperature") is not None else 1.0)
-        top_p = float(body.get("top_p") if body.get("top_p") is not None else 1.0)
+        temperature, top_p = (float(1.0 if body.get(k) is None else body[k]) for k in ("temperature", "top_p"))
         max_tokens = int(body.get("max_tokens") or 16)
         stop_ids = set(body.get("stop_token_ids") or [])
         eos = self.tokenizer.eos_token_id
