@@ -430,7 +430,7 @@ class ServerSampler:
         self.adapter_name, self.weights_version = None, None
         served = self._served_models()
         bases = {name for card in served if card.get("parent") is None for name in (card["id"], card.get("root"))}
-        if args.model not in bases:
+        if not {args.model, common.resolve_model(args.model)} & bases:  # tiny: served by its path
             raise ValueError(
                 f"--model {args.model}, but the server at --sampler-url {self.url} serves "
                 f"{sorted(c['id'] for c in served)}: start `vllm serve {args.model}` there"

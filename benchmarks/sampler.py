@@ -76,7 +76,7 @@ def main():
     model_dir = common.resolve_model(args.model)
     server, url = (None, args.sampler_url) if args.sampler_url else start_test_server(model_dir)
     try:
-        settings = dict(model=args.model if args.sampler_url else model_dir, lora_rank=args.lora_rank,
+        settings = dict(model=args.model, lora_rank=args.lora_rank,
                         lora_alpha=2 * args.lora_rank, sample_batch_size=args.branches,
                         output_dir=str(ROOT / "runs" / "benchmark-sampler"), exp_name="benchmark")  # fmt: skip
         accelerator = tempo.make_accelerator()

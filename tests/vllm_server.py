@@ -137,7 +137,7 @@ class TinyVllmServer:
         name, path = body.get("lora_name"), body.get("lora_path")
         if not name or not path:
             raise HTTPError(400, "Both 'lora_name' and 'lora_path' must be provided.", "InvalidUserInput")
-        if name in self.adapters and not body.get("load_inplace"):
+        if name in self.adapters:  # (load_inplace is not supported here)
             raise HTTPError(
                 400,
                 f"The lora adapter '{name}' has already been loaded. If you want to load the adapter in place, "
