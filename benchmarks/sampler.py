@@ -31,7 +31,7 @@ def rollout(sample_fn, vocab: int, args) -> dict:
     prompt_tokens = cached_tokens = generated = 0
     previous = []
     start = time.perf_counter()
-    for turn in range(args.turns):
+    for _ in range(args.turns):
         completions = sample_fn(histories, args.turn_tokens)
         prompt_tokens += sum(len(h) for h in histories)
         cached_tokens += sum(len(h) for h in previous)  # the last turn's prompt + reply: already in a prefix cache
