@@ -17,6 +17,7 @@ Phase 2 (TD loop) trains actor and critic together, in one forward/backward and 
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import functools
 import hashlib
@@ -136,6 +137,21 @@ class Args:
     """"" = new run, "auto" = newest checkpoint of the latest run named exp_name, or a checkpoint/run path"""
     eval_only: str = ""
     """evaluate a checkpoint (its dir, a run dir = its newest, or "auto") into a new run dir's metrics.jsonl, and exit"""
+    # ---- sampler (shared with adca_grpo.py) ----
+    sampler: Literal["generate", "vllm"] = "generate"
+    """generate: model.generate() in the training process; vllm: a vLLM server you start (README: Sampling through vLLM)"""
+    sampler_url: str = ""
+    """with --sampler vllm: the server's OpenAI API root, e.g. http://localhost:8000/v1"""
+    sampler_adapter_dir: str = ""
+    """where the adapter is saved for the server to load after each update ("" = {output_dir}/sampler_adapters)"""
+    sampler_concurrency: int = 64
+    """completion requests in flight per process"""
+    sampler_timeout_s: float = 600.0
+    """one completion request's timeout (it is retried after that)"""
+    sampler_deadline_s: float = 1800.0
+    """one turn's burst of requests, retries included, must finish by then or the update fails"""
+    recompute_logprobs: bool = True
+    """with --sampler vllm: the loss's old logprobs come from a trainer forward pass, not from the server"""
 
 
 # ===== model side: identical in tempo.py and adca_grpo.py =====
@@ -180,6 +196,26 @@ def validate_model_args(args) -> None:
         (args.eval_games >= 0, f"--eval-games must be >= 0, got {args.eval_games}"),
         (not (args.resume and args.eval_only), "--resume and --eval-only cannot be combined"),
         (not args.eval_only or args.eval_games >= 1, "--eval-only needs --eval-games >= 1"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ValueError(message)
+    validate_sampler_args(args)
+
+
+def validate_sampler_args(args) -> None:
+    checks = [
+        (
+            args.sampler == "generate" or args.sampler_url.startswith(("http://", "https://")),
+            f"--sampler vllm needs --sampler-url http://HOST:PORT/v1, got {args.sampler_url!r}",
+        ),
+        (
+            args.sampler == "vllm" or not args.sampler_url,
+            "--sampler-url is only used with --sampler vllm (the default sampler is generate)",
+        ),
+        (args.sampler_concurrency >= 1, f"--sampler-concurrency must be >= 1, got {args.sampler_concurrency}"),
+        (args.sampler_timeout_s > 0, f"--sampler-timeout-s must be > 0, got {args.sampler_timeout_s}"),
+        (args.sampler_deadline_s > 0, f"--sampler-deadline-s must be > 0, got {args.sampler_deadline_s}"),
     ]
     for ok, message in checks:
         if not ok:
@@ -299,8 +335,12 @@ class SampledTokenLogprobs:
 
 def make_sampler(model, tokenizer, accelerator, args, greedy: bool = False) -> common.SampleFn:
     """common.SampleFn over generate(): left-padded chunks of sample_batch_size prompts. A token's logprob is
-    log_softmax(raw logits / temperature), which equals a teacher-forced pass at that temperature."""
+    log_softmax(raw logits / temperature), which equals a teacher-forced pass at that temperature.
+    With --sampler vllm the samples come from the server instead (ServerSampler)."""
     from transformers import LogitsProcessorList
+
+    if args.sampler == "vllm":
+        return ServerSampler(model, tokenizer, accelerator, args, greedy)
 
     pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
 
@@ -341,6 +381,190 @@ def make_sampler(model, tokenizer, accelerator, args, greedy: bool = False) -> c
         return completions
 
     return sample
+
+
+class ServerSampler:
+    """common.SampleFn through a vLLM server's OpenAI API, as vLLM 0.20 serves it (vllm/entrypoints/openai:
+    /v1/models, /v1/completions, /v1/load_lora_adapter, /v1/unload_lora_adapter). Prompts go as token ids and the
+    sampled ids come back with their logprobs (return_tokens_as_token_ids), so nothing is re-tokenised. The server
+    samples with the current adapter, named after its weights: whenever the LoRA parameters have changed (an
+    optimizer step, a resumed checkpoint) the main process saves them and loads them under the new name, unloading
+    the previous one; the other processes wait until the server lists the new name."""
+
+    def __init__(self, model, tokenizer, accelerator, args, greedy: bool = False):
+        self.model, self.tokenizer, self.accelerator, self.args = model, tokenizer, accelerator, args
+        self.url, self.greedy = args.sampler_url.rstrip("/"), greedy
+        self.adapter_dir = Path(args.sampler_adapter_dir or Path(args.output_dir) / "sampler_adapters").resolve()
+        self.adapter_name, self.weights_version = None, None
+        served = self._served_models()
+        bases = {name for card in served if card.get("parent") is None for name in (card["id"], card.get("root"))}
+        if not {args.model, common.resolve_model(args.model)} & bases:  # tiny: served by its path
+            raise ValueError(
+                f"--model {args.model}, but the server at --sampler-url {self.url} serves "
+                f"{sorted(c['id'] for c in served)}: start `vllm serve {args.model}` there"
+            )
+        self.sync_adapter()  # the first load proves that runtime LoRA loading works and that the rank fits
+
+    def _control(self, method: str, path: str, body: dict | None = None):
+        import httpx
+
+        try:
+            return httpx.request(method, self.url + path, json=body, timeout=self.args.sampler_timeout_s)
+        except httpx.HTTPError as error:
+            raise ValueError(
+                f"--sampler-url {self.url}: no server answers {method} {path} ({type(error).__name__}: {error}); "
+                "start vLLM first (README: Sampling through vLLM)"
+            ) from error
+
+    def _served_models(self) -> list[dict]:
+        response = self._control("GET", "/models")
+        if response.status_code != 200:
+            raise ValueError(
+                f"--sampler-url {self.url}: GET /models answered {response.status_code} "
+                f"({error_message(response)}); the URL must be the OpenAI API root, ending in /v1"
+            )
+        return response.json()["data"]
+
+    def sync_adapter(self) -> None:
+        """Make the server's copy of the adapter the current one, if the LoRA parameters changed in place since
+        the last call (torch counts in-place writes per tensor: optimizer steps, checkpoint loads)."""
+        from peft import get_peft_model_state_dict
+
+        policy = self.accelerator.unwrap_model(self.model)
+        version = sum(p._version for p in policy.parameters() if p.requires_grad)
+        if version == self.weights_version:
+            return
+        digest = adapter_sha256(get_peft_model_state_dict(policy))
+        name = f"{self.args.exp_name}-{self.args.lora_alpha}-{digest[:16]}"
+        if self.accelerator.is_main_process:
+            if name not in {card["id"] for card in self._served_models()}:
+                policy.save_pretrained(str(self.adapter_dir / name))
+                self._load_adapter(name)
+            if self.adapter_name not in (None, name):
+                self._control("POST", "/unload_lora_adapter", {"lora_name": self.adapter_name})  # 404: already gone
+                shutil.rmtree(self.adapter_dir / self.adapter_name, ignore_errors=True)
+        else:
+            self._wait_until_served(name)
+        self.adapter_name, self.weights_version = name, version
+
+    def _load_adapter(self, name: str) -> None:
+        path = self.adapter_dir / name
+        response = self._control("POST", "/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
+        if response.status_code == 200:
+            return
+        message = error_message(response)
+        if response.status_code == 404 and '"error"' not in response.text:  # FastAPI's own 404: no such route
+            problem = (
+                "the server does not allow runtime LoRA loading: start it with VLLM_ALLOW_RUNTIME_LORA_UPDATING=true"
+            )
+        elif "max_lora_rank" in message:
+            problem = (
+                f"--lora-rank {self.args.lora_rank} is above the server's --max-lora-rank; "
+                f"restart vllm serve with --max-lora-rank >= {self.args.lora_rank}"
+            )
+        elif "not enabled" in message.lower():
+            problem = "the server was started without LoRA: start vllm serve with --enable-lora"
+        elif response.status_code == 404:
+            problem = f"the server cannot read {path}: --sampler-adapter-dir must be a directory the server sees"
+        else:
+            problem = "loading the adapter failed"
+        raise ValueError(
+            f"--sampler-url {self.url}: {problem} (POST /load_lora_adapter: {response.status_code} {message})"
+        )
+
+    def _wait_until_served(self, name: str) -> None:
+        deadline = time.monotonic() + self.args.sampler_deadline_s
+        while name not in {card["id"] for card in self._served_models()}:
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"--sampler-url {self.url}: the main process did not load adapter {name} within "
+                    f"--sampler-deadline-s {self.args.sampler_deadline_s} s"
+                )
+            time.sleep(0.5)
+
+    def __call__(self, prompts: list[list[int]], max_new_tokens: int) -> list[common.Completion]:
+        self.sync_adapter()
+        return asyncio.run(self._complete_all(prompts, max_new_tokens)) if prompts else []
+
+    async def _complete_all(self, prompts: list[list[int]], max_new_tokens: int) -> list[common.Completion]:
+        import httpx
+
+        args = self.args
+        deadline = asyncio.get_running_loop().time() + args.sampler_deadline_s
+        semaphore = asyncio.Semaphore(args.sampler_concurrency)
+        limits = httpx.Limits(max_connections=args.sampler_concurrency)
+        async with httpx.AsyncClient(base_url=self.url, timeout=args.sampler_timeout_s, limits=limits) as client:
+            return list(
+                await asyncio.gather(*(self._complete(client, p, max_new_tokens, semaphore, deadline) for p in prompts))
+            )
+
+    async def _complete(self, client, prompt: list[int], max_new_tokens: int, semaphore, deadline: float):
+        """One prompt: server errors, timeouts and lost connections are retried with exponential backoff until
+        the deadline; a request the server refuses (4xx) fails at once."""
+        import httpx
+
+        args, loop = self.args, asyncio.get_running_loop()
+        body = {  # every sampling field is sent: the server's defaults come from the model's generation_config
+            "model": self.adapter_name,
+            "prompt": list(prompt),
+            "max_tokens": max_new_tokens,
+            "temperature": 0.0 if self.greedy else args.temperature,
+            "top_p": 1.0 if self.greedy else args.top_p,
+            "top_k": -1,
+            "min_p": 0.0,
+            "repetition_penalty": 1.0,
+            "presence_penalty": 0.0,
+            "frequency_penalty": 0.0,
+            "logprobs": 0,
+            "return_tokens_as_token_ids": True,
+            "stop_token_ids": [self.tokenizer.eos_token_id],
+        }
+        attempts, error = 0, None
+        while (remaining := deadline - loop.time()) > 0:
+            attempts += 1
+            try:
+                async with semaphore:
+                    response = await asyncio.wait_for(client.post("/completions", json=body), timeout=remaining)
+            except (httpx.HTTPError, asyncio.TimeoutError) as exc:
+                error = f"{type(exc).__name__}: {exc}"
+            else:
+                if response.status_code == 200:
+                    return self._completion(response.json())
+                error = f"{response.status_code} {error_message(response)}"
+                if response.status_code < 500 and response.status_code not in (408, 429):
+                    raise RuntimeError(f"--sampler-url {self.url}: the server refused a completion request ({error})")
+            await asyncio.sleep(min(0.5 * 2 ** (attempts - 1), 15.0, max(0.0, deadline - loop.time())))
+        raise RuntimeError(
+            f"--sampler-url {self.url}: a completion was not answered within --sampler-deadline-s "
+            f"{args.sampler_deadline_s} s ({attempts} attempts); last error: {error}"
+        )
+
+    def _completion(self, payload: dict) -> common.Completion:
+        logprobs = payload["choices"][0].get("logprobs") or {}
+        names, values = logprobs.get("tokens") or [], logprobs.get("token_logprobs") or []
+        if len(names) != len(values) or None in values or not all(str(n).startswith("token_id:") for n in names):
+            raise RuntimeError(
+                f"--sampler-url {self.url}: the completion came back without token ids and logprobs "
+                "(return_tokens_as_token_ids, logprobs); is it a vLLM server?"
+            )
+        tokens = [int(n.removeprefix("token_id:")) for n in names]
+        end = tokens.index(self.tokenizer.eos_token_id) + 1 if self.tokenizer.eos_token_id in tokens else len(tokens)
+        text = self.tokenizer.decode(tokens[:end], skip_special_tokens=True)
+        return common.Completion(tokens[:end], [float(x) for x in values[:end]], text)
+
+
+def error_message(response) -> str:
+    """The message of an error response: vLLM's {"error": {"message"}} (older: {"message"}), FastAPI's {"detail"}."""
+    try:
+        body = response.json()
+    except ValueError:
+        body = None
+    if isinstance(body, dict):
+        error = body.get("error")
+        message = error.get("message") if isinstance(error, dict) else body.get("message") or body.get("detail")
+        if message:
+            return str(message)
+    return response.text[:500]
 
 
 def token_budget_batches(lengths: Sequence[int], micro_batch_tokens: int) -> list[list[int]]:
@@ -388,6 +612,24 @@ def sequence_logprobs(
             result[i] = logprobs[row, : len(sequences[i])].tolist()
     policy.train(was_training)
     return result
+
+
+def refresh_old_logprobs(model, accelerator, datums: list[Datum], args, pad_id: int) -> dict:
+    """With --sampler vllm and --recompute-logprobs: the datums' old logprobs become the trainer's own (the
+    server's kernels and precision differ), and the drift |server - trainer| over the trained tokens is reported."""
+    if args.sampler != "vllm" or not args.recompute_logprobs or not datums:
+        return {}
+    trainer = sequence_logprobs(
+        model, accelerator, [d.tokens for d in datums], args.temperature, pad_id, args.micro_batch_tokens
+    )
+    drift = []
+    for datum, fresh in zip(datums, trainer):
+        drift += [abs(old - new) for old, new, m in zip(datum.old_logprobs, fresh, datum.mask) if m]
+        datum.old_logprobs = fresh
+    return {
+        "rollout/logprob_drift_mean": math.fsum(drift) / max(1, len(drift)),
+        "rollout/logprob_drift_max": max(drift, default=0.0),
+    }
 
 
 @dataclass
@@ -1159,7 +1401,8 @@ class Runtime:
         return prompt if len(prompt) <= args.max_trajectory_tokens - args.max_critic_tokens else None
 
     def train(self, datums: list[Datum]) -> dict:
-        return train_step(
+        drift = refresh_old_logprobs(self.model, self.accelerator, datums, self.args, self.tokenizer.pad_token_id)
+        return drift | train_step(
             self.model,
             self.optimizer,
             self.accelerator,
