@@ -75,11 +75,15 @@ TIMING_KEYS = re.compile(r"^time/|^prm/latency_")  # wall-clock metrics: never e
 
 
 def judge_endpoint(delay_s: float = 0.0) -> ScriptedEndpoint:
-    """GOOD/BAD per step from a hash of the request (the same request always gets the same labels), after delay_s."""
+    """GOOD/BAD alternating per step from a phase hashed from the request (the same request always gets the same
+    labels; a trajectory of 2+ steps never gets uniform ones, so the labels always train), after delay_s."""
 
     def behave(content, attempt):
+        if "STEPS (" not in content:  # adca_grpo's start-up check of the endpoint
+            return 200, "OK", delay_s
         steps = int(content.split("STEPS (")[1].split(" ")[0])
-        labels = [hashlib.sha256(f"{content}{j}".encode()).digest()[0] % 2 for j in range(steps)]
+        phase = hashlib.sha256(content.encode()).digest()[0]
+        labels = [(phase + j) % 2 for j in range(steps)]
         return (
             200,
             "\n".join(f"Step {j + 1} Judgment: {'GOOD' if good else 'BAD'}" for j, good in enumerate(labels)),
@@ -260,6 +264,7 @@ def test_checkpoint_round_trip_continues_exactly(name, games_root, tiny_model_di
             rt.optimizer,
             accelerator,
             datums,
+            module.policy_loss,
             temperature=1.0,
             pad_id=rt.tokenizer.pad_token_id,
             micro_batch_tokens=4096,
@@ -579,6 +584,7 @@ def test_nonfinite_loss_skips_the_step(name, games_root, tiny_model_dir, tmp_pat
             rt.optimizer,
             accelerator,
             [datum],
+            module.policy_loss,
             temperature=1.0,
             pad_id=rt.tokenizer.pad_token_id,
             micro_batch_tokens=4096,
