@@ -17,6 +17,7 @@ baseline): every generated token gets its episode's GRPO outcome advantage.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -1098,7 +1099,16 @@ def check_checkpoint(path: Path, args, algorithm: str, flag: str, num_processes:
 
 
 class StartupError(ValueError):
-    """A bad flag, game or checkpoint, found before anything loaded or was written (the CLI exits 2 with it)."""
+    """A bad flag, game, checkpoint or endpoint, found before training (the CLI prints it as one line, exits 2)."""
+
+
+@contextlib.contextmanager
+def starting():
+    """A ValueError raised inside is a StartupError."""
+    try:
+        yield
+    except ValueError as error:
+        raise StartupError(str(error)) from error
 
 
 # Flags a resumed run may change: where and how fast it runs and what it logs, not what it trains.
@@ -1129,7 +1139,7 @@ def start(args, algorithm: str, accelerator, validate_args, resume_may_change: S
     data root resolved; --eval-only: every flag left at its default takes the evaluated run's value (its
     config.json); --resume: flags that change what the run is (all but RESUME_FREE_FLAGS and resume_may_change)
     must equal the run's."""
-    try:
+    with starting():
         validate_model_args(args)  # before looking the checkpoint up (--resume and --eval-only exclude each other)
         flag, spec = ("--eval-only", args.eval_only) if args.eval_only else ("--resume", args.resume)
         checkpoint = find_checkpoint(spec, args.output_dir, args.exp_name, args.seed, flag)
@@ -1185,8 +1195,6 @@ def start(args, algorithm: str, accelerator, validate_args, resume_may_change: S
                 pass  # evaluate() says so
         common.check_games(games)
         return args, checkpoint, state
-    except ValueError as error:
-        raise StartupError(str(error)) from error
 
 
 def cli(args_type, main) -> None:
@@ -2351,7 +2359,8 @@ def main(args: Args) -> Path:
 
 def _run(args: Args, accelerator, checkpoint: Path | None, trainer_state: dict | None) -> Path:
     seed_everything(args.seed + accelerator.process_index)
-    rt = make_runtime(args, accelerator)
+    with starting():  # labeller and sampler endpoint checks
+        rt = make_runtime(args, accelerator)
     eval_kwargs = dict(
         data_root=rt.data_root,
         task_types=args.task_types,

@@ -509,17 +509,28 @@ def test_config_records_the_data_root_used(games_root, tiny_model_dir, tmp_path,
     assert args.data_root == str(offline)
 
 
-def test_startup_error_prints_one_line_and_exits_2(tmp_path):
+@pytest.mark.parametrize(
+    "script, flags, message",
+    [
+        ("tempo.py", ["--seed", "-1"], "error: --seed must be >= 0, got -1"),
+        (  # found while the runtime is built: the labeller's endpoint check
+            "adca_grpo.py",
+            ["--labeler-backend", "api", "--labeler-base-url", "http://127.0.0.1:9/v1", "--eval-every", "0"],
+            "error: --labeler-base-url http://127.0.0.1:9/v1: cannot reach the labeller",
+        ),
+    ],
+)
+def test_startup_error_prints_one_line_and_exits_2(script, flags, message, games_root, tiny_model_dir, tmp_path):
     result = subprocess.run(
-        [sys.executable, str(ROOT / "tempo.py"), "--model", "tiny", "--seed", "-1"],
+        [sys.executable, str(ROOT / script), "--model", str(tiny_model_dir), "--data-root", str(games_root), *flags],
         cwd=tmp_path,
-        env=job_env(),
+        env=job_env(DASHSCOPE_API_KEY="EMPTY"),
         capture_output=True,
         text=True,
         timeout=120,
     )
-    assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert result.stderr.splitlines()[-1] == "error: --seed must be >= 0, got -1"
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert result.stderr.splitlines()[-1].startswith(message)
 
 
 def test_launch_that_runs_fewer_processes_than_asked_warns(tmp_path):
