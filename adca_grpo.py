@@ -2102,12 +2102,20 @@ class Runtime:
     games: list[str]  # this process's shard of the training games, shuffled with the seed
     game_cursor: int = 0
     on_turn: Callable[[int, int], None] | None = None  # rollout progress (the logger's turn bar)
+    bad_games: int = 0  # games skipped since the last metrics row (rollout/bad_games_skipped)
 
     def fresh_state(self) -> common.SavedState:
-        """The next training game from its start (games cycle in their shuffled order)."""
-        game = self.games[self.game_cursor % len(self.games)]
-        self.game_cursor += 1
-        return common.fresh_state(game, self.protocol, seed=self.game_cursor)
+        """The next training game from its start (games cycle in their shuffled order). A game that passed the
+        start-up parse but does not load is skipped, named on stderr and counted: a bad game never ends the run."""
+        for _ in self.games:
+            game = self.games[self.game_cursor % len(self.games)]
+            self.game_cursor += 1
+            try:
+                return common.fresh_state(game, self.protocol, seed=self.game_cursor)
+            except common.BadGameError as error:
+                self.bad_games += 1
+                print(f"[games] WARNING: skipped a game that does not load: {error}", file=sys.stderr)
+        raise RuntimeError(f"none of this process's {len(self.games)} training games loads")
 
 
 def make_runtime(args: Args, accelerator) -> Runtime:
@@ -2319,6 +2327,7 @@ def adca_update(rt: Runtime, update: int) -> tuple[dict, list[dict]]:
 # Main: set-up, resume, updates, checkpoints, evaluation
 # =============================================================================================
 SUM_KEYS = (
+    "rollout/bad_games_skipped",
     "prm/label_requests",
     "prm/label_failures",
     "prm/parse_failures",
@@ -2391,6 +2400,7 @@ def _run(args: Args, accelerator, checkpoint: Path | None, trainer_state: dict |
     labeler_name = labeler_backend(args) if rt.labeler is not None else "none"
     for update in range(done + 1, args.num_updates + 1):
         metrics, samples = adca_update(rt, update)
+        metrics["rollout/bad_games_skipped"], rt.bad_games = float(rt.bad_games), 0
         metrics = reduce_metrics(accelerator, metrics, SUM_KEYS)
         last = update == args.num_updates
         if args.eval_every and args.eval_games and (last or update % args.eval_every == 0):

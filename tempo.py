@@ -1509,12 +1509,20 @@ class Runtime:
     rng: random.Random  # state-store sampling (saved in checkpoints)
     game_cursor: int = 0
     on_turn: Callable[[int, int], None] | None = None  # rollout progress (the logger's turn bar)
+    bad_games: int = 0  # games skipped since the last metrics row (rollout/bad_games_skipped)
 
     def fresh_state(self) -> common.SavedState:
-        """The next training game from its start (games cycle in their shuffled order)."""
-        game = self.games[self.game_cursor % len(self.games)]
-        self.game_cursor += 1
-        return common.fresh_state(game, self.protocol, seed=self.game_cursor)
+        """The next training game from its start (games cycle in their shuffled order). A game that passed the
+        start-up parse but does not load is skipped, named on stderr and counted: a bad game never ends the run."""
+        for _ in self.games:
+            game = self.games[self.game_cursor % len(self.games)]
+            self.game_cursor += 1
+            try:
+                return common.fresh_state(game, self.protocol, seed=self.game_cursor)
+            except common.BadGameError as error:
+                self.bad_games += 1
+                print(f"[games] WARNING: skipped a game that does not load: {error}", file=sys.stderr)
+        raise RuntimeError(f"none of this process's {len(self.games)} training games loads")
 
     def critic_prompt(self, game_file: str, task: str, messages, round_index: int) -> list[int] | None:
         """The critic prompt of a state; None when it leaves no room for a reply in --max-trajectory-tokens
@@ -1826,6 +1834,7 @@ def td_update(rt: Runtime) -> tuple[dict, list[dict]]:
 # Main: set-up, resume, the two phases, checkpoints, evaluation
 # =============================================================================================
 SUM_KEYS = (
+    "rollout/bad_games_skipped",
     "td/store_size",
     "td/fresh_states",
     "td/new_endpoints",
@@ -1906,6 +1915,7 @@ def _run(args: Args, accelerator, checkpoint: Path | None, trainer_state: dict |
     for update in range(done + 1, total_updates + 1):
         phase = "warmup" if update <= args.warmup_updates else "td"
         metrics, samples = warmup_update(rt) if phase == "warmup" else td_update(rt)
+        metrics["rollout/bad_games_skipped"], rt.bad_games = float(rt.bad_games), 0
         metrics = reduce_metrics(accelerator, metrics, SUM_KEYS)
         last = update == total_updates
         if args.eval_every and args.eval_games and (last or update % args.eval_every == 0):

@@ -509,6 +509,23 @@ def test_config_records_the_data_root_used(games_root, tiny_model_dir, tmp_path,
     assert args.data_root == str(offline)
 
 
+def test_game_that_fails_to_load_mid_run_is_skipped_not_fatal(games_root, tiny_model_dir, tmp_path, judge, capfd):
+    """A broken grammar passes the start-up parse (grammars are parsed when a game first loads): the run skips that
+    game with a warning naming it, counts it, and finishes."""
+    data_root = tmp_path / "games"
+    shutil.copytree(games_root, data_root)
+    bad = common.discover_games(data_root, seed=0)[1]  # the second game adca_grpo's first update plays
+    data = json.loads(Path(bad).read_text())
+    Path(bad).write_text(json.dumps({**data, "grammar": data["grammar"].replace(";", "", 3)}))
+    with pytest.raises(common.BadGameError, match=re.escape(bad)):
+        common.load_game(bad)
+    values = settings("adca_grpo", games_root, tiny_model_dir, tmp_path / "runs", judge.url, data_root=str(data_root))
+    run_dir = adca_grpo.main(adca_grpo.Args(**{**values, "num_updates": 1, "save_every": 0}))
+    (row,) = read_rows(run_dir / "metrics.jsonl")
+    assert row["rollout/bad_games_skipped"] == 1 and row["prm/label_requests"] == 4  # two good games were played
+    assert f"skipped a game that does not load: {bad}" in capfd.readouterr().err
+
+
 @pytest.mark.parametrize(
     "script, flags, message",
     [
