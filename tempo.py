@@ -18,6 +18,7 @@ Phase 2 (TD loop) trains actor and critic together, in one forward/backward and 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -134,9 +135,13 @@ class Args:
     eval_games: int = 20
     """games per evaluation split (valid_seen, valid_unseen)"""
     resume: str = ""
-    """"" = new run, "auto" = newest checkpoint of the latest run named exp_name, or a checkpoint/run path"""
+    """"" = new run, "auto" = newest checkpoint of the latest run named exp_name with this seed, or a checkpoint/run
+    path; flags that change what the run is must equal its config.json"""
     eval_only: str = ""
-    """evaluate a checkpoint (its dir, a run dir = its newest, or "auto") into a new run dir's metrics.jsonl, and exit"""
+    """evaluate a checkpoint (its dir, a run dir = its newest, or "auto") into a new run dir's metrics.jsonl, and exit;
+    every flag left at its default takes the run's value"""
+    threads: int = 0
+    """torch CPU threads per process (0 = OMP_NUM_THREADS if set, else the cores / the processes on this machine)"""
     # ---- sampler (shared with adca_grpo.py) ----
     sampler: Literal["generate", "vllm"] = "generate"
     """generate: model.generate() in the training process; vllm: a vLLM server you start (README: Sampling through vLLM)"""
@@ -194,6 +199,7 @@ def validate_model_args(args) -> None:
         (args.save_every >= 0, f"--save-every must be >= 0, got {args.save_every}"),
         (args.eval_every >= 0, f"--eval-every must be >= 0, got {args.eval_every}"),
         (args.eval_games >= 0, f"--eval-games must be >= 0, got {args.eval_games}"),
+        (args.threads >= 0, f"--threads must be >= 0, got {args.threads}"),
         (not (args.resume and args.eval_only), "--resume and --eval-only cannot be combined"),
         (not args.eval_only or args.eval_games >= 1, "--eval-only needs --eval-games >= 1"),
     ]
@@ -234,7 +240,30 @@ def make_accelerator():
             f"accelerate config: {accelerator.distributed_type} is not supported; launch with DDP "
             "(accelerate launch --multi_gpu), see the README"
         )
+    if os.environ.get("MASTER_PORT") and accelerator.num_processes == 1:  # `accelerate launch --num_processes N`
+        print(
+            "[start] WARNING: launched for several processes but running ONE: on CPU, accelerate needs "
+            "`accelerate launch --multi_gpu --num_processes N ...` (see the README)",
+            file=sys.stderr,
+        )
     return accelerator
+
+
+def set_threads(args, local_processes: int) -> int:
+    """torch's CPU threads: --threads, else OMP_NUM_THREADS when set, else the cores shared by the local processes.
+    Warns when the machine is already busy: threads fighting over cores made runs 20x slower."""
+    cores = len(os.sched_getaffinity(0))
+    threads = args.threads or int(os.environ.get("OMP_NUM_THREADS") or 0) or max(1, cores // local_processes)
+    torch.set_num_threads(threads)
+    load = os.getloadavg()[0]
+    if load + threads * local_processes > cores + 0.5:
+        print(
+            f"[start] WARNING: load average {load:.1f} on {cores} cores before this run's "
+            f"{local_processes} x {threads} thread(s): oversubscribed, expect a large slowdown"
+            + (" (try --threads 1)" if threads > 1 else ""),
+            file=sys.stderr,
+        )
+    return threads
 
 
 def require_writable_dir(path, flag: str) -> Path:
@@ -268,13 +297,11 @@ def check_model(model: str) -> None:
 
 def training_games(args, accelerator) -> tuple[str, list[str]]:
     """(data root, this process's shard of the training games, shuffled with the seed); fails naming --data-root."""
-    with accelerator.main_process_first():  # the offline game set is generated once, not once per process
-        data_root = args.data_root or str(common.default_data_root())
     try:
-        games = common.discover_games(data_root, args.split, args.task_types, seed=args.seed)
+        games = common.discover_games(args.data_root, args.split, args.task_types, seed=args.seed)
     except FileNotFoundError as error:
-        raise ValueError(f"--data-root {data_root}: {error}") from error
-    return data_root, games[accelerator.process_index :: accelerator.num_processes] or games
+        raise ValueError(f"--data-root {args.data_root}: {error}") from error
+    return args.data_root, games[accelerator.process_index :: accelerator.num_processes] or games
 
 
 def seed_everything(seed: int) -> None:
@@ -951,14 +978,14 @@ def _checkpoints_in(run_dir: Path) -> list[Path]:
     return sorted(p for p in (run_dir / "checkpoints").glob("update_*") if (p / "trainer_state.json").is_file())
 
 
-def find_checkpoint(spec: str, output_dir: str, exp_name: str, flag: str) -> Path | None:
+def find_checkpoint(spec: str, output_dir: str, exp_name: str, seed: int, flag: str) -> Path | None:
     """`spec` of --resume / --eval-only: "" -> None; "auto" -> newest checkpoint of the latest run named exp_name
-    (None if there is none); a checkpoint dir; or a run dir (its newest checkpoint)."""
+    with this seed (None if there is none); a checkpoint dir; or a run dir (its newest checkpoint)."""
     if not spec:
         return None
     if spec == "auto":
         runs = sorted(
-            Path(output_dir).glob(f"{exp_name}__*"),
+            Path(output_dir).glob(f"{exp_name}__{seed}__*"),
             key=lambda p: (int(p.name.split("__")[-1]), p.name) if p.name.split("__")[-1].isdigit() else (0, p.name),
         )
         for run_dir in reversed(runs):
@@ -976,13 +1003,13 @@ def find_checkpoint(spec: str, output_dir: str, exp_name: str, flag: str) -> Pat
 def check_checkpoint(path: Path, args, algorithm: str, flag: str, num_processes: int | None) -> dict:
     """Open every file of a checkpoint and compare it with the flags, before anything loads; returns its
     trainer state. num_processes: resuming (optimizer and RNG states needed, one state per process)."""
-    from safetensors import SafetensorError, safe_open
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
 
     try:
         state = json.loads((path / "trainer_state.json").read_text())
         adapter_config = json.loads((path / "adapter_config.json").read_text())
-        with safe_open(str(path / "adapter_model.safetensors"), "pt"):
-            pass
+        adapter = load_file(str(path / "adapter_model.safetensors"))
         if num_processes is not None:
             for name in ("optimizer.pt", "rng.pt"):
                 zipfile.ZipFile(path / name).close()  # a torch.save file is a zip; a truncated one has no directory
@@ -997,6 +1024,11 @@ def check_checkpoint(path: Path, args, algorithm: str, flag: str, num_processes:
         or not isinstance(state.get("rank_states"), list)
     ):
         raise ValueError(f"{flag} {path}: corrupt checkpoint (trainer_state.json lacks update / rank_states)")
+    if state.get("adapter_sha256") not in (None, adapter_sha256(adapter)):
+        raise ValueError(
+            f"{flag} {path}: corrupt checkpoint (adapter_model.safetensors does not match the sha256 in "
+            "trainer_state.json); pass an older checkpoint dir"
+        )
     if state.get("algorithm") != algorithm:
         raise ValueError(
             f"{flag} {path} is a checkpoint of {state.get('algorithm')!r}; this script trains {algorithm!r}"
@@ -1018,19 +1050,113 @@ def check_checkpoint(path: Path, args, algorithm: str, flag: str, num_processes:
     return state
 
 
-def check_start(args, algorithm: str, accelerator) -> tuple[Path | None, dict | None]:
-    """Model, output dir and checkpoint checks that fail at start, before any model loads. Returns the checkpoint to
-    load (--resume, --eval-only) and its trainer state, or (None, None) for a new run."""
-    check_model(args.model)
-    require_writable_dir(args.output_dir, "--output-dir")
-    flag, spec = ("--eval-only", args.eval_only) if args.eval_only else ("--resume", args.resume)
-    checkpoint = find_checkpoint(spec, args.output_dir, args.exp_name, flag)
-    if checkpoint is None:
+class StartupError(ValueError):
+    """A bad flag, game, checkpoint or endpoint, found before training (the CLI prints it as one line, exits 2)."""
+
+
+@contextlib.contextmanager
+def starting():
+    """A ValueError raised inside is a StartupError."""
+    try:
+        yield
+    except ValueError as error:
+        raise StartupError(str(error)) from error
+
+
+# Flags a resumed run may change: where and how fast it runs and what it logs, not what it trains.
+RESUME_FREE_FLAGS = (
+    "resume",
+    "eval_only",
+    "output_dir",
+    "track",
+    "wandb_project",
+    "save_every",
+    "eval_every",
+    "eval_games",
+    "threads",
+    "micro_batch_tokens",
+    "sample_batch_size",
+    "sampler",
+    "sampler_url",
+    "sampler_adapter_dir",
+    "sampler_concurrency",
+    "sampler_timeout_s",
+    "sampler_deadline_s",
+)
+
+
+def start(args, algorithm: str, accelerator, validate_args, resume_may_change: Sequence[str] = ()):
+    """Every check that can fail at start, before any model loads: flags, threads, model, output dir, checkpoint,
+    games. Returns (args as the run uses them, checkpoint to load or None, its trainer state or None). The args:
+    data root resolved; --eval-only: every flag left at its default takes the evaluated run's value (its
+    config.json); --resume: flags that change what the run is (all but RESUME_FREE_FLAGS and resume_may_change)
+    must equal the run's."""
+    with starting():
+        validate_model_args(args)  # before looking the checkpoint up (--resume and --eval-only exclude each other)
+        flag, spec = ("--eval-only", args.eval_only) if args.eval_only else ("--resume", args.resume)
+        checkpoint = find_checkpoint(spec, args.output_dir, args.exp_name, args.seed, flag)
+        config_file = checkpoint.parent.parent / "config.json" if checkpoint is not None else None
+        config = json.loads(config_file.read_text()) if config_file is not None and config_file.is_file() else {}
         if args.eval_only:
-            raise ValueError(f"--eval-only auto: no checkpoint of a run named {args.exp_name} in {args.output_dir}")
-        return None, None
-    state = check_checkpoint(checkpoint, args, algorithm, flag, None if args.eval_only else accelerator.num_processes)
-    return checkpoint, state
+            defaults = dataclasses.asdict(type(args)())
+            inherited = {
+                key: tuple(value) if isinstance(value, list) else value
+                for key, value in config.items()
+                if key in defaults
+                and key not in ("resume", "eval_only", "output_dir", "threads")
+                and getattr(args, key) == defaults[key]
+            }
+            args = dataclasses.replace(args, **inherited)
+        validate_args(args)
+        set_threads(args, int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes)))
+        check_model(args.model)
+        require_writable_dir(args.output_dir, "--output-dir")
+        if checkpoint is None and spec:
+            if args.eval_only:
+                raise ValueError(
+                    f"--eval-only auto: no checkpoint of a run {args.exp_name}__{args.seed}__* in {args.output_dir}"
+                )
+            print(
+                f"[start] --resume auto: no checkpoint of a run {args.exp_name}__{args.seed}__* in "
+                f"{args.output_dir}; starting a new run",
+                file=sys.stderr,
+            )
+        with accelerator.main_process_first():  # the offline game set is generated once, not once per process
+            args = dataclasses.replace(args, data_root=args.data_root or str(common.default_data_root()))
+        state = None
+        if checkpoint is not None:
+            state = check_checkpoint(
+                checkpoint, args, algorithm, flag, None if args.eval_only else accelerator.num_processes
+            )
+            ours, free = json.loads(json.dumps(dataclasses.asdict(args))), (*RESUME_FREE_FLAGS, *resume_may_change)
+            differences = [
+                f"--{key.replace('_', '-')} {ours[key]} (the run: {config[key]})"
+                for key in ours
+                if not args.eval_only and key in config and key not in free and ours[key] != config[key]
+            ]
+            if differences:
+                raise ValueError(
+                    f"--resume {checkpoint}: these flags change what the run is, and differ from its "
+                    f"{config_file}: {'; '.join(differences)}. Pass the run's values, or start a new run"
+                )
+        games = [] if args.eval_only else training_games(args, accelerator)[1]
+        for split in ("valid_seen", "valid_unseen") if args.eval_only or args.eval_every else ():
+            try:
+                games += common.eval_subset(args.data_root, split, args.task_types, args.eval_games)
+            except FileNotFoundError:
+                pass  # evaluate() says so
+        common.check_games(games)
+        return args, checkpoint, state
+
+
+def cli(args_type, main) -> None:
+    """tyro's CLI around main: a StartupError prints just its message and exits 2, as tyro does for a bad flag."""
+    args = tyro.cli(args_type)
+    try:
+        main(args)
+    except StartupError as error:
+        print(f"error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def load_checkpoint(path: Path, model, optimizer, accelerator) -> None:
@@ -1059,14 +1185,14 @@ def evaluate(
     max_trajectory_tokens: int,
     on_turn=None,
 ) -> dict:
-    """Greedy episodes on the first eval_games games of valid_seen and valid_unseen (sharded over processes).
+    """Greedy episodes on eval_games games (common.eval_subset) of valid_seen and valid_unseen (sharded over processes).
     invalid_action_rate = turns whose reply was not an admissible action (bad format or not admissible)."""
     from accelerate.utils import gather_object
 
     metrics = {}
     for split in ("valid_seen", "valid_unseen"):
         try:
-            games = common.discover_games(data_root, split, task_types)[:eval_games]
+            games = common.eval_subset(data_root, split, task_types, eval_games)
         except FileNotFoundError as error:
             print(f"[eval] skipping {split}: {error}", file=sys.stderr)
             continue
@@ -1323,7 +1449,7 @@ def validate_args(args: Args) -> None:
     checks = [
         (args.macro_rounds >= 1, f"--macro-rounds must be >= 1, got {args.macro_rounds}"),
         (
-            args.max_episode_steps >= 1 and args.max_episode_steps % max(1, args.macro_rounds) == 0,
+            args.max_episode_steps >= 1 and (args.eval_only or args.max_episode_steps % max(1, args.macro_rounds) == 0),
             f"--max-episode-steps ({args.max_episode_steps}) must be a positive multiple of --macro-rounds ({args.macro_rounds})",
         ),
         (args.branches >= 2, f"--branches must be >= 2 (advantages compare branches), got {args.branches}"),
@@ -1383,12 +1509,20 @@ class Runtime:
     rng: random.Random  # state-store sampling (saved in checkpoints)
     game_cursor: int = 0
     on_turn: Callable[[int, int], None] | None = None  # rollout progress (the logger's turn bar)
+    bad_games: int = 0  # games skipped since the last metrics row (rollout/bad_games_skipped)
 
     def fresh_state(self) -> common.SavedState:
-        """The next training game from its start (games cycle in their shuffled order)."""
-        game = self.games[self.game_cursor % len(self.games)]
-        self.game_cursor += 1
-        return common.fresh_state(game, self.protocol, seed=self.game_cursor)
+        """The next training game from its start (games cycle in their shuffled order). A game that passed the
+        start-up parse but does not load is skipped, named on stderr and counted: a bad game never ends the run."""
+        for _ in self.games:
+            game = self.games[self.game_cursor % len(self.games)]
+            self.game_cursor += 1
+            try:
+                return common.fresh_state(game, self.protocol, seed=self.game_cursor)
+            except common.BadGameError as error:
+                self.bad_games += 1
+                print(f"[games] WARNING: skipped a game that does not load: {error}", file=sys.stderr)
+        raise RuntimeError(f"none of this process's {len(self.games)} training games loads")
 
     def critic_prompt(self, game_file: str, task: str, messages, round_index: int) -> list[int] | None:
         """The critic prompt of a state; None when it leaves no room for a reply in --max-trajectory-tokens
@@ -1700,6 +1834,7 @@ def td_update(rt: Runtime) -> tuple[dict, list[dict]]:
 # Main: set-up, resume, the two phases, checkpoints, evaluation
 # =============================================================================================
 SUM_KEYS = (
+    "rollout/bad_games_skipped",
     "td/store_size",
     "td/fresh_states",
     "td/new_endpoints",
@@ -1708,15 +1843,15 @@ SUM_KEYS = (
     "warmup/boundary_states",
     "rollout/generated_tokens",
 )
+RESUME_MAY_CHANGE = ("td_updates",)  # flags that only extend a run
 POSTFIX_KEYS = ("critic/abs_error_mean", "critic/value_corr", "rollout/success_rate", "td/fresh_states", "train/loss")
 
 
 def main(args: Args) -> Path:
     """Train (or evaluate, with --eval-only); returns the run directory."""
-    validate_args(args)
     accelerator = make_accelerator()
     try:
-        checkpoint, trainer_state = check_start(args, ALGORITHM, accelerator)
+        args, checkpoint, trainer_state = start(args, ALGORITHM, accelerator, validate_args, RESUME_MAY_CHANGE)
         return _run(args, accelerator, checkpoint, trainer_state)
     finally:
         close_distributed()
@@ -1744,8 +1879,9 @@ def make_runtime(args: Args, accelerator) -> Runtime:
 
 def _run(args: Args, accelerator, checkpoint: Path | None, trainer_state: dict | None) -> Path:
     seed_everything(args.seed + accelerator.process_index)
-    rt = make_runtime(args, accelerator)
-    greedy_fn = make_sampler(rt.model, rt.tokenizer, accelerator, args, greedy=True)
+    with starting():  # endpoint checks
+        rt = make_runtime(args, accelerator)
+        greedy_fn = make_sampler(rt.model, rt.tokenizer, accelerator, args, greedy=True)
     eval_kwargs = dict(
         data_root=rt.data_root,
         task_types=args.task_types,
@@ -1779,6 +1915,7 @@ def _run(args: Args, accelerator, checkpoint: Path | None, trainer_state: dict |
     for update in range(done + 1, total_updates + 1):
         phase = "warmup" if update <= args.warmup_updates else "td"
         metrics, samples = warmup_update(rt) if phase == "warmup" else td_update(rt)
+        metrics["rollout/bad_games_skipped"], rt.bad_games = float(rt.bad_games), 0
         metrics = reduce_metrics(accelerator, metrics, SUM_KEYS)
         last = update == total_updates
         if args.eval_every and args.eval_games and (last or update % args.eval_every == 0):
@@ -1798,4 +1935,4 @@ def _run(args: Args, accelerator, checkpoint: Path | None, trainer_state: dict |
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    cli(Args, main)
