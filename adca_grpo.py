@@ -135,8 +135,10 @@ class Args:
     prm_metrics_only: bool = False
     """label and log the prm/ dashboard, but train with plain GRPO advantages (to judge a labeller before trusting it)"""
     # ---- ADCA: the labeller ----
-    labeler_backend: Literal["auto", "api", "self"] = "auto"
-    """api: an OpenAI-compatible endpoint; self: the policy itself, greedy; auto: api if --labeler-base-url is set"""
+    labeler_backend: Literal["auto", "api", "self", "oracle"] = "auto"
+    """api: an OpenAI-compatible endpoint; self: the policy itself, greedy; oracle: privileged planner judgments
+    (GOOD when a step shortens the optimal remaining plan; an upper bound for ablations); auto: api if
+    --labeler-base-url is set, else self"""
     labeler_base_url: str = ""
     """chat-completions base URL, e.g. http://localhost:8000/v1 (vllm serve) or DashScope's .../compatible-mode/v1"""
     labeler_model: str = "qwen-max"
@@ -1961,6 +1963,54 @@ def _percentile(sorted_values: Sequence[float], q: float) -> float:
     return float(sorted_values[round(q * (len(sorted_values) - 1))]) if sorted_values else 0.0
 
 
+def oracle_step_flags(traj: common.Trajectory) -> list[bool]:
+    """Privileged judgment of every step: GOOD when it shortened the planner's optimal remaining plan (the winning
+    step included), BAD otherwise (an invalid, inadmissible, useless or harmful step)."""
+    env = common.AlfredEnv(traj.start.game_file)
+    try:
+        env.reset()
+        for action in traj.start.actions:
+            env.step(action)
+
+        def remaining() -> float:
+            plan = env.expert_plan()
+            return 0 if env.turn.won else len(plan) or math.inf  # [] and not won: the goal became unreachable
+
+        before, flags = remaining(), []
+        for step in traj.steps:
+            if step.action is not None:
+                env.step(step.action)
+            after = remaining()
+            flags.append(after < before)
+            before = after
+        return flags
+    finally:
+        env.close()
+
+
+def oracle_labeler(
+    trajectories: Sequence[common.Trajectory], overall_scores: Sequence[float], orm_scores: Sequence[float], args: Args
+) -> tuple[list[list[bool]], dict[str, float]]:
+    """--labeler-backend oracle: label_trajectories' contract (flags, prm/* metrics; --skip-type honoured) with
+    oracle_step_flags instead of an LLM. No requests can fail."""
+    flags, judged, skipped = [], [], 0
+    for traj, overall, orm in zip(trajectories, overall_scores, orm_scores):
+        skip = (args.skip_type == "skip_small_adv" and abs(overall) < 1e-8) or (
+            args.skip_type == "skip_all_neg" and orm <= 0
+        )
+        skipped += skip and bool(traj.steps)
+        flags.append([overall > 0] * len(traj.steps) if skip else oracle_step_flags(traj))
+        judged += [] if skip else flags[-1]
+    metrics = {
+        "prm/label_requests": float(sum(1 for t in trajectories if t.steps) - skipped),
+        "prm/label_failures": 0.0,
+        "prm/parse_failures": 0.0,
+        "prm/skipped": float(skipped),
+        "prm/good_rate": sum(judged) / len(judged) if judged else 0.0,
+    }
+    return flags, metrics
+
+
 # =============================================================================================
 # One ADCA-GRPO update
 # =============================================================================================
@@ -2012,8 +2062,8 @@ def validate_args(args: Args) -> None:
         ),
         (args.prm_steps >= 0, f"--prm-steps must be >= 0, got {args.prm_steps}"),
         (
-            args.labeler_backend in ("auto", "api", "self"),
-            f"--labeler-backend must be auto, api or self, got {args.labeler_backend!r}",
+            args.labeler_backend in ("auto", "api", "self", "oracle"),
+            f"--labeler-backend must be auto, api, self or oracle, got {args.labeler_backend!r}",
         ),
         (
             args.labeler_backend != "api" or bool(args.labeler_base_url),
@@ -2142,7 +2192,11 @@ def make_runtime(args: Args, accelerator) -> Runtime:
     data_root, games = training_games(args, accelerator)
     tokenizer, model, optimizer = load_model(args, accelerator)
     greedy_fn = make_sampler(model, tokenizer, accelerator, args, greedy=True)
-    labeler = (api_labeler or PolicyLabeler(greedy_fn, tokenizer, args)) if needs_labels(args) else None
+    labeler = None
+    if needs_labels(args):
+        labeler = api_labeler or (
+            oracle_labeler if labeler_backend(args) == "oracle" else PolicyLabeler(greedy_fn, tokenizer, args)
+        )
     return Runtime(
         args,
         accelerator,
@@ -2251,7 +2305,10 @@ def adca_update(rt: Runtime, update: int) -> tuple[dict, list[dict]]:
     # ---- step 3: step labels (only while attribution is on, alpha > 0 and update <= --prm-steps)
     alpha, labelling = alpha_at(update - 1, args), labelling_at(update, args)
     metrics = {"prm/alpha": alpha if labelling else 0.0, "prm/labelling": float(labelling)}
-    if labelling:
+    if labelling and rt.labeler is oracle_labeler:
+        step_flags, label_metrics = oracle_labeler(trajectories, outcome_advantages, orm_scores, args)
+        metrics.update(label_metrics)
+    elif labelling:
         step_flags, label_metrics = label_trajectories(
             trajectories,
             outcome_advantages,

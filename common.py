@@ -628,6 +628,7 @@ class _Game:
             except ValueError:
                 pass
         self.entity_infos = None  # filled from the first state (needs the planner library)
+        self.plans: dict[frozenset, list[str]] = {}  # state facts -> optimal plan (AlfredEnv.expert_plan)
 
     def _compile_symbols(self, symbols):
         for symbol in symbols:
@@ -819,6 +820,19 @@ class AlfredEnv:
             self._state.apply(action)
             self.turn = self._gather(self._derive(action.feedback_rule, action.mapping), self.turn.moves + 1)
         return self.turn
+
+    def expert_plan(self) -> list[str]:
+        """Fast Downward's optimal plan from the current state, as commands ([] once won or when the goal is
+        unreachable). Privileged: for scripted experts and oracle labels, never for the actor. Cached per game
+        and state, so replaying a known state costs a lookup."""
+        key = frozenset(self._state.facts)
+        if key not in self.game.plans:
+            argv = sys.argv  # the planner's translator may overwrite sys.argv
+            try:
+                self.game.plans[key] = [] if self.turn.won else self._state.replan(self.game.entity_infos)
+            finally:
+                sys.argv = argv
+        return list(self.game.plans[key])
 
     def _derive(self, start: str, mapping: dict) -> str:
         variables = {ph.name: self.game.entity_infos[var.name] for ph, var in mapping.items()}
@@ -1630,8 +1644,11 @@ def _qwen2_pipeline(tok) -> None:
     tok.decoder = decoders.ByteLevel()
 
 
-def build_tiny_model(out_dir: str | Path, seed: int = 0) -> Path:
-    """Build a tiny random Qwen2 chat model + trained BPE tokenizer offline, deterministically, into `out_dir`."""
+def build_tiny_model(
+    out_dir: str | Path, seed: int = 0, hidden_size: int = 64, intermediate_size: int = 128, num_layers: int = 2
+) -> Path:
+    """Build a tiny random Qwen2 chat model + trained BPE tokenizer offline, deterministically, into `out_dir`
+    (the sizes: bigger ones for CPU learning benchmarks)."""
     import torch
     from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, trainers
     from transformers import (
@@ -1668,9 +1685,9 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0) -> Path:
     pad, eos = tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])
     config = Qwen2Config(
         vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=32768,

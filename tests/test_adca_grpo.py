@@ -780,3 +780,45 @@ def test_smoke_api_labeler_fails_at_start_on_a_dead_endpoint(games_root, tiny_mo
     with pytest.raises(ValueError, match="--labeler-base-url .* cannot reach"):
         adca_grpo.main(small_args(games_root, tiny_model_dir, tmp_path, **endpoint))
     assert time.monotonic() - start < 30 and not list(tmp_path.glob("adca_grpo__*"))  # before any run dir
+
+
+def scripted_trajectory(game_file, protocol, replies):
+    """One episode whose turn k replies with replies[k] (a tool call or free text)."""
+
+    def play(prompts, max_new_tokens):
+        text = replies[len(play.calls)]
+        play.calls.append(text)
+        tokens = protocol.encode(text) + [protocol.eos_token_id]
+        return [common.Completion(tokens, [0.0] * len(tokens), text)]
+
+    play.calls = []
+    [[traj]] = common.rollout(
+        [common.fresh_state(game_file, protocol)],
+        1,
+        play,
+        protocol,
+        horizon=len(replies),
+        max_episode_steps=len(replies),
+        max_turn_tokens=64,
+        max_trajectory_tokens=1 << 20,
+    )
+    return traj
+
+
+def test_oracle_labels_good_exactly_when_a_step_shortens_the_optimal_plan(all_games, protocol):
+    game_file = next(g for g in all_games if "look_at_obj" in g and "/train/" in g)
+    walkthrough = common.load_walkthrough(game_file)
+    expert = scripted_trajectory(game_file, protocol, [tool_call(a) for a in walkthrough])
+    assert expert.won and adca_grpo.oracle_step_flags(expert) == [True] * len(walkthrough)
+
+    replies = [tool_call("look"), "no tool call", tool_call(walkthrough[0]), tool_call("fly away")]
+    replies += [tool_call(a) for a in walkthrough[1:]]
+    detours = scripted_trajectory(game_file, protocol, replies)
+    assert detours.won
+    assert adca_grpo.oracle_step_flags(detours) == [False, False, True, False] + [True] * (len(walkthrough) - 1)
+
+    args = adca_grpo.Args(skip_type="skip_small_adv")
+    flags, metrics = adca_grpo.oracle_labeler([expert, detours], [0.0, 1.0], [1.0, 1.0], args)
+    assert flags[0] == [False] * len(walkthrough)  # skipped (advantage 0): uniform flags, as for an LLM labeller
+    assert flags[1] == adca_grpo.oracle_step_flags(detours)
+    assert metrics["prm/skipped"] == 1 and metrics["prm/label_requests"] == 1

@@ -322,3 +322,27 @@ def test_first_generation_shows_progress(tmp_path, capfd):
     assert root == tmp_path / "offline-games-n1-seed5" and len(list(root.glob("json_2.1.1/*/*/*/game.tw-pddl"))) == 1
     err = capfd.readouterr().err
     assert "generating offline games" in err and "1/1" in err  # a tqdm bar over the games
+
+
+def test_expert_plan_from_start_matches_walkthrough_and_replans_after_a_detour(all_games):
+    for game_file in [g for g in all_games if "pick_two" not in g]:  # pick_two plans take seconds each
+        env = common.AlfredEnv(game_file)
+        try:
+            walkthrough = common.load_walkthrough(game_file)
+            plan = env.expert_plan()
+            assert len(plan) == len(walkthrough)  # optimal: same length (ties may order steps differently)
+            for action in plan:
+                assert action in env.turn.admissible
+                env.step(action)
+            assert env.turn.won and env.expert_plan() == []
+            env.reset()
+            assert env.expert_plan() == plan  # the cached plan of the start state
+            env.step(walkthrough[0])
+            assert len(env.expert_plan()) == len(walkthrough) - 1
+            detour = next(a for a in env.turn.admissible if a.startswith("go to") and a != walkthrough[1])
+            env.step(detour)  # a step away: the replan from here still wins
+            for action in env.expert_plan():
+                env.step(action)
+            assert env.turn.won
+        finally:
+            env.close()

@@ -1,0 +1,360 @@
+"""Does it learn? GRPO vs ADCA-GRPO (oracle labels) vs TEMPO from one warm start, on a few training games, on CPU.
+
+Every stage is cached under --out, so a killed run picks up where it stopped (rerun the same command):
+  1. games: the offline generator's first games (`common.make_games`), of which the look_at and pick_and_place
+     training games are used (4 games, 4-step walkthroughs, episodes capped at --max-turns);
+  2. a small random Qwen2 (`common.build_tiny_model`, ~0.9M parameters, the tiny tokenizer);
+  3. the warm start: `sft.py` on noisy-expert episodes of those games, with TEMPO critic examples;
+  4. each algorithm x seed: the script itself, as a subprocess (`--resume auto`), a checkpoint every --eval-every
+     updates;
+  5. each checkpoint: sampled success (T=1, --eval-episodes per game) and greedy success, in-process with the
+     scripts' own sampler and rollout;
+  6. results.json, learning.png (success vs generated tokens, mean +/- std over seeds), tempo_critic.png and
+     learning.md (start, end, change with a 95% interval, tokens to reach GRPO's final level).
+
+    python benchmarks/learning.py                 # the full comparison
+    python benchmarks/learning.py --quick         # one seed, fewer updates: a smoke check of the whole pipeline
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import tyro
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import common  # noqa: E402
+
+TASK_TYPES = ("look_at_obj_in_light", "pick_and_place_simple")
+ALGORITHMS = ("grpo", "adca_oracle", "tempo")
+
+
+@dataclass
+class Args:
+    out: str = "benchmarks/results/learning"
+    """results directory (cached stages, runs, results.json, plots, learning.md)"""
+    quick: bool = False
+    """one seed, --quick-updates updates: the pipeline end to end in minutes"""
+    algorithms: tuple[str, ...] = ALGORITHMS
+    """which of grpo, adca_oracle, tempo to run"""
+    seeds: tuple[int, ...] = (1, 2, 3)
+    """seeds per algorithm"""
+    updates: int = 12
+    """training updates per run (TEMPO: warm-up + TD updates)"""
+    quick_updates: int = 4
+    """updates per run with --quick"""
+    eval_every: int = 6
+    """checkpoint and evaluate every N updates"""
+    eval_episodes: int = 16
+    """sampled (T=1) episodes per game and evaluation point (x 4 games)"""
+    start_eval_episodes: int = 32
+    """sampled episodes per game for the shared warm start"""
+    max_turns: int = 6
+    """episode cap (walkthroughs are 4 steps)"""
+    learning_rate: float = 3e-4
+    """RL learning rate (LoRA)"""
+    lora_rank: int = 16
+    """RL LoRA rank"""
+    lora_alpha: int = 32
+    """RL LoRA alpha"""
+    sft_target_loss: float = 0.012
+    """warm start: SFT stops at this mean loss (the sampled success lands in ~0.2-0.5)"""
+    threads: int = 1
+    """torch threads of every stage"""
+
+
+def log(message: str) -> None:
+    print(f"[learning {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+# =============================================================================================
+# Stages 1-3: games, base model, warm start (cached)
+# =============================================================================================
+def games_root(out: Path) -> Path:
+    root = out / "games"
+    if not (root / "json_2.1.1").is_dir():
+        log("generating the games")
+        tmp = out / "games.tmp"
+        common.make_games(tmp, n=12, seed=0, log=lambda *a: None)
+        os.replace(tmp, root)
+    return root
+
+
+def base_model(out: Path) -> Path:
+    path = out / "base-model"
+    if not (path / "model.safetensors").is_file():
+        common.build_tiny_model(path, seed=0, hidden_size=128, intermediate_size=384, num_layers=4)
+    return path
+
+
+def warm_start(out: Path, games: Path, args: Args) -> Path:
+    path = out / "warm-start"
+    if (path / "sft.json").is_file():
+        return path
+    log("warm start: sft.py (noisy expert, critic examples)")
+    run(
+        [
+            "sft.py",
+            "--model", str(base_model(out)), "--output-dir", str(path), "--data-root", str(games),
+            "--task-types", *TASK_TYPES, "--episodes-per-game", "8", "--noise-eps", "0.2", "--critic-examples",
+            "--macro-rounds", str(args.max_turns // 2), "--max-turns", str(args.max_turns),
+            "--learning-rate", "1e-3", "--num-epochs", "60", "--batch-tokens", "4096",
+            "--target-loss", str(args.sft_target_loss),
+        ],
+        args,
+    )  # fmt: skip
+    return path
+
+
+def run(command: list[str], args: Args) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)}
+    env.update(HF_HUB_OFFLINE="1", WANDB_MODE="disabled", PYTHONPATH=str(ROOT))
+    subprocess.run([sys.executable, *command], cwd=ROOT, env=env, check=True)
+
+
+# =============================================================================================
+# Stage 4: the algorithms, each through its own CLI
+# =============================================================================================
+def algorithm_command(name: str, seed: int, updates: int, warm: Path, games: Path, runs: Path, args: Args) -> list[str]:
+    shared = [
+        "--model", str(warm), "--data-root", str(games), "--task-types", *TASK_TYPES, "--seed", str(seed),
+        "--lora-rank", str(args.lora_rank), "--lora-alpha", str(args.lora_alpha),
+        "--learning-rate", str(args.learning_rate), "--max-turn-tokens", "48", "--max-trajectory-tokens", "8192",
+        "--sample-batch-size", "64", "--eval-every", "0", "--save-every", str(args.eval_every),
+        "--output-dir", str(runs), "--exp-name", f"{name}-s{seed}", "--resume", "auto",
+    ]  # fmt: skip
+    grpo = ["--num-updates", str(updates), "--games-per-update", "4", "--trajectories-per-game", "4"]
+    grpo += ["--max-turns", str(args.max_turns)]
+    if name == "grpo":
+        return ["adca_grpo.py", *shared, *grpo, "--no-attribution"]
+    if name == "adca_oracle":
+        return ["adca_grpo.py", *shared, *grpo, "--labeler-backend", "oracle", "--prm-steps", str(updates)]
+    warmup = max(1, updates // 4)
+    return [
+        "tempo.py", *shared, "--macro-rounds", str(args.max_turns // 2), "--max-episode-steps", str(args.max_turns),
+        "--branches", "4", "--critic-samples", "4", "--endpoint-samples", "1", "--states-per-batch", "4",
+        "--warmup-updates", str(warmup), "--warmup-games-per-batch", "4", "--td-updates", str(updates - warmup),
+        "--max-critic-tokens", "16",
+    ]  # fmt: skip
+
+
+def run_dir(runs: Path, name: str, seed: int) -> Path | None:
+    dirs = sorted(runs.glob(f"{name}-s{seed}__*"))
+    return dirs[-1] if dirs else None
+
+
+def metrics_rows(run: Path) -> list[dict]:
+    path = run / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+
+
+# =============================================================================================
+# Stage 5: sampled and greedy success of a checkpoint, with the scripts' own sampler
+# =============================================================================================
+class Evaluator:
+    def __init__(self, warm: Path, games: list[str], args: Args):
+        import torch
+        from transformers import AutoTokenizer
+
+        import adca_grpo
+
+        torch.set_num_threads(args.threads)
+        self.warm, self.games, self.args = warm, games, args
+        self.accelerator = adca_grpo.make_accelerator()
+        self.tokenizer = AutoTokenizer.from_pretrained(warm, padding_side="left")
+        self.protocol = common.ChatProtocol(self.tokenizer)
+
+    def __call__(self, checkpoint: Path | None, episodes: int) -> dict:
+        import torch
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM
+
+        import adca_grpo
+
+        model = AutoModelForCausalLM.from_pretrained(self.warm, dtype=torch.float32)
+        if checkpoint is not None:
+            model = PeftModel.from_pretrained(model, checkpoint).merge_and_unload()
+        sampling = SimpleNamespace(temperature=1.0, top_p=1.0, sample_batch_size=64)
+        result = {}
+        for mode, branches in (("sampled", episodes), ("greedy", 1)):
+            sample_fn = adca_grpo.make_sampler(model, self.tokenizer, self.accelerator, sampling, greedy=mode == "greedy")
+            starts = [common.fresh_state(game, self.protocol) for game in self.games]
+            groups = common.rollout(
+                starts, branches, sample_fn, self.protocol, horizon=self.args.max_turns,
+                max_episode_steps=self.args.max_turns, max_turn_tokens=48, max_trajectory_tokens=8192,
+            )  # fmt: skip
+            result[mode] = [sum(t.won for t in group) for group in groups]  # wins per game
+        result["episodes"] = episodes
+        return result
+
+
+def success(point: dict, mode: str = "sampled") -> float:
+    return sum(point[mode]) / (len(point[mode]) * (point["episodes"] if mode == "sampled" else 1))
+
+
+# =============================================================================================
+# Stage 6: table and plots
+# =============================================================================================
+def summarise(results: dict, args: Args) -> str:
+    start = results["start"]
+    s0, n0 = success(start), len(start["sampled"]) * start["episodes"]
+    grpo_final = None
+    rows = []
+    for name in args.algorithms:
+        runs = [r for r in results["runs"].values() if r["algorithm"] == name and r["points"]]
+        if not runs:
+            continue
+        finals = [success(r["points"][-1]) for r in runs]
+        greedy = [success(r["points"][-1], "greedy") for r in runs]
+        n_end = len(runs[0]["points"][-1]["sampled"]) * runs[0]["points"][-1]["episodes"]
+        mean_end = statistics.fmean(finals)
+        # 95% interval of (mean end - start): seed-to-seed spread or, if larger, binomial noise, plus the start's
+        spread = statistics.variance(finals) / len(finals) if len(finals) > 1 else 0.0
+        binomial = mean_end * (1 - mean_end) / (n_end * len(finals))
+        half = 1.96 * math.sqrt(max(spread, binomial) + s0 * (1 - s0) / n0)
+        if name == "grpo":
+            grpo_final = mean_end
+        rows.append((name, runs, finals, greedy, mean_end, half))
+    lines = [
+        "| algorithm | seeds | start (sampled) | end (sampled, mean ± std) | change [95% interval] | end greedy | "
+        "generated tokens | tokens to reach GRPO's final level |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, runs, finals, greedy, mean_end, half in rows:
+        tokens = statistics.fmean(r["points"][-1]["tokens"] for r in runs)
+        reach = "-"
+        if grpo_final is not None:
+            curve = mean_curve(runs)
+            hit = next((t for t, s, _ in curve if s >= grpo_final), None)
+            reach = f"{hit:,.0f} ({hit / tokens:.0%})" if hit is not None else "not reached"
+        std = statistics.stdev(finals) if len(finals) > 1 else 0.0
+        change = mean_end - s0
+        lines.append(
+            f"| {name} | {len(runs)} | {s0:.2f} | {mean_end:.2f} ± {std:.2f} | {change:+.2f} "
+            f"[{change - half:+.2f}, {change + half:+.2f}] | {statistics.fmean(greedy):.2f} | {tokens:,.0f} | {reach} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def mean_curve(runs: list[dict]) -> list[tuple[float, float, float]]:
+    """(mean generated tokens, mean success, std) per evaluation point, over seeds (points aligned by index)."""
+    curve = []
+    for i in range(min(len(r["points"]) for r in runs)):
+        values = [success(r["points"][i]) for r in runs]
+        tokens = statistics.fmean(r["points"][i]["tokens"] for r in runs)
+        curve.append((tokens, statistics.fmean(values), statistics.pstdev(values)))
+    return curve
+
+
+def plot(results: dict, out: Path, args: Args) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name in args.algorithms:
+        runs = [r for r in results["runs"].values() if r["algorithm"] == name and r["points"]]
+        if runs:
+            curve = mean_curve(runs)
+            tokens, mean, std = zip(*curve)
+            ax.plot(tokens, mean, marker="o", label=f"{name} ({len(runs)} seeds)")
+            ax.fill_between(tokens, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)], alpha=0.2)
+    ax.set_xlabel("generated tokens (actor)")
+    ax.set_ylabel("sampled success (T=1)")
+    ax.set_title("Success on the training games, mean ± std over seeds")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "learning.png", dpi=120)
+    plt.close(fig)
+
+    tempo_runs = [r for r in results["runs"].values() if r["algorithm"] == "tempo"]
+    if tempo_runs:
+        keys = ("critic/parse_failure_rate", "critic/abs_error_mean", "critic/value_corr", "rollout/success_rate")
+        fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3.2))
+        for ax, key in zip(axes, keys):
+            for r in tempo_runs:
+                rows = [m for m in r["metrics"] if key in m]
+                ax.plot([m["update"] for m in rows], [m[key] for m in rows], marker=".", label=f"seed {r['seed']}")
+            ax.set_title(key, fontsize=9)
+            ax.set_xlabel("update")
+        axes[0].legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / "tempo_critic.png", dpi=120)
+        plt.close(fig)
+
+
+# =============================================================================================
+# Main
+# =============================================================================================
+def main(args: Args) -> None:
+    from tqdm import tqdm
+
+    unknown = set(args.algorithms) - set(ALGORITHMS)
+    if unknown:
+        raise ValueError(f"--algorithms: unknown {sorted(unknown)}; expected some of {ALGORITHMS}")
+    if args.eval_every < 1 or args.updates < 1:
+        raise ValueError("--updates and --eval-every must be >= 1")
+    out = Path(args.out) / ("quick" if args.quick else "full")
+    out.mkdir(parents=True, exist_ok=True)
+    seeds = args.seeds[:1] if args.quick else args.seeds
+    updates = args.quick_updates if args.quick else args.updates
+    if args.quick:
+        args = dataclasses.replace(args, eval_every=updates)
+    games = games_root(Path(args.out))
+    warm = warm_start(Path(args.out), games, args)
+    game_files = common.discover_games(games, "train", TASK_TYPES)
+    evaluate = Evaluator(warm, game_files, args)
+    results_file = out / "results.json"
+    results = json.loads(results_file.read_text()) if results_file.is_file() else {"runs": {}}
+    results["config"] = {**dataclasses.asdict(args), "games": game_files, "updates": updates, "seeds": list(seeds)}
+
+    def save():
+        results_file.write_text(json.dumps(results, indent=1))
+
+    if "start" not in results:
+        log("evaluating the warm start")
+        results["start"] = {**evaluate(None, args.start_eval_episodes), "tokens": 0}
+        save()
+    log(f"warm start: sampled {success(results['start']):.2f}, greedy {success(results['start'], 'greedy'):.2f}")
+    runs_root = out / "runs"
+    jobs = [(name, seed) for seed in seeds for name in args.algorithms]
+    for name, seed in tqdm(jobs, desc="runs", unit="run", dynamic_ncols=True):
+        key = f"{name}-s{seed}"
+        log(f"{key}: training")
+        run(algorithm_command(name, seed, updates, warm, games, runs_root, args), args)
+        rdir = run_dir(runs_root, name, seed)
+        metrics = metrics_rows(rdir)
+        entry = results["runs"].setdefault(key, {"algorithm": name, "seed": seed, "points": []})
+        entry["metrics"] = metrics
+        if not entry["points"]:
+            entry["points"].append(results["start"])
+        for checkpoint in sorted((rdir / "checkpoints").glob("update_*")):
+            update = int(checkpoint.name.split("_")[-1])
+            if any(p.get("update") == update for p in entry["points"]):
+                continue
+            log(f"{key}: evaluating update {update}")
+            tokens = sum(m.get("rollout/generated_tokens", 0.0) for m in metrics if m["update"] <= update)
+            entry["points"].append({**evaluate(checkpoint, args.eval_episodes), "update": update, "tokens": tokens})
+            save()
+            log(f"{key}: update {update}: sampled {success(entry['points'][-1]):.2f}")
+    table = summarise(results, args)
+    plot(results, out, args)
+    (out / "learning.md").write_text(table)
+    print(table)
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
