@@ -1,11 +1,12 @@
 """ADCA-GRPO: multi-turn GRPO where an LLM labels every step GOOD or BAD (AgentEvolver's `decouple` scheme).
 
 Per update: play G games x N full episodes each (one GRPO group per game), score each trajectory 0/1
-(won), ask a labeller to judge every step GOOD or BAD (ONE request per trajectory, showing the task, the
-numbered steps and the trajectory's outcome advantage), z-score the labels and the outcomes separately
-within each group, fuse them per step (alpha * labels + outcome on the last step), take suffix sums as the
-step advantages, broadcast them to the generated tokens, and take one PPO-clip step on a LoRA adapter.
-With `--alpha 0` or `--no-attribution` the same code path is plain multi-turn GRPO (the baseline).
+(won), ask a labeller to judge every step GOOD or BAD (ONE request per trajectory, showing the task and first
+observation, the agent's numbered replies with the game's answers, and the outcome as +1/-1), z-score the labels
+and the outcomes separately within each group, fuse them per step (alpha * labels + outcome on the last step),
+take suffix sums as the step advantages, broadcast them to the generated tokens, and take PPO-clip steps on a LoRA
+adapter. With `--no-attribution`, `--alpha 0` or after `--prm-steps` updates it is plain multi-turn GRPO (the
+baseline): every generated token gets its episode's GRPO outcome advantage.
 
     python adca_grpo.py --labeler-base-url http://localhost:8000/v1 --labeler-model Qwen/Qwen3-32B
     python adca_grpo.py --labeler-backend self      # the policy labels its own steps: no endpoint, no key
@@ -16,7 +17,9 @@ With `--alpha 0` or `--no-attribution` the same code path is plain multi-turn GR
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -24,6 +27,7 @@ import os
 import random
 import re
 import shutil
+import statistics
 import sys
 import time
 import zipfile
@@ -40,7 +44,8 @@ import tyro
 import common
 
 ALGORITHM = "adca_grpo"
-ORM_DISTRIBUTIONS = ("last_step", "all_steps")
+ORM_DISTRIBUTIONS = ("last_step", "all_steps", "only_prm")
+PERMANENT_HTTP_ERRORS = (400, 401, 403, 404, 422)  # a labeller request that got one of these is not retried
 
 
 @dataclass
@@ -94,23 +99,31 @@ class Args:
     """token budget of one episode (an episode stops before overflowing it)"""
     clip_eps: float = 0.2
     """PPO clip range below 1 (and above, unless --clip-eps-high is set)"""
-    clip_eps_high: float | None = None
-    """PPO clip range above 1 (DAPO's clip-higher); None = --clip-eps"""
+    clip_eps_high: float | None = 0.28
+    """PPO clip range above 1 (DAPO's clip-higher, AgentEvolver's 0.28); None = --clip-eps"""
+    dual_clip_c: float | None = 3.0
+    """dual-clip PPO: the loss of a token with a negative advantage is capped at c * |A| (AgentEvolver: 3); None = off"""
     kl_beta: float = 0.0
-    """weight of the per-token KL to the base model (the adapter disabled); 0 = off"""
+    """weight of the per-token KL to the base model (the adapter disabled) subtracted from the advantage; 0 = off"""
+    kl_loss_coef: float = 0.0
+    """weight of the k3 KL to the base model as a loss term (AgentEvolver: 0.001); 0 = off"""
+    ppo_epochs: int = 1
+    """passes over each rollout's data (old logprobs are recomputed by the policy when this or --mini-batches > 1)"""
+    mini_batches: int = 1
+    """optimizer steps per pass (the rollout's trajectories split at random)"""
     # ---- ADCA: step attribution ----
     attribution: bool = True
     """label steps and use the labels (--no-attribution: plain multi-turn GRPO)"""
     alpha: float = 0.1
     """weight of the z-scored step labels next to the z-scored outcome (0 = plain GRPO)"""
     alpha_schedule: Literal["constant", "cosine"] = "constant"
-    """constant alpha, or cosine decay from --alpha to --alpha-min over --num-updates"""
+    """constant alpha, or cosine decay from --alpha to --alpha-min over the --prm-steps labelled updates"""
     alpha_min: float = 0.0
     """final alpha of the cosine schedule"""
     fix_base: float = 0.2
     """raw step reward: +fix_base for GOOD, -fix_base for BAD (before the group z-score)"""
-    orm_distribution: Literal["last_step", "all_steps"] = "last_step"
-    """where the outcome advantage is added: on the last step only, or on every step"""
+    orm_distribution: Literal["last_step", "all_steps", "only_prm"] = "last_step"
+    """where the outcome advantage is added: on the last step only, on every step, or nowhere (labels only)"""
     equal_trajectory_weight: bool = True
     """label z-score with every trajectory weighing the same (--no-equal-trajectory-weight: every step)"""
     length_normalization: bool = False
@@ -119,6 +132,8 @@ class Args:
     """trajectories not sent to the labeller: |outcome advantage| < 1e-8, outcome <= 0, or none"""
     prm_steps: int = 20
     """label only during the first N updates (cost control), plain GRPO after"""
+    prm_metrics_only: bool = False
+    """label and log the prm/ dashboard, but train with plain GRPO advantages (to judge a labeller before trusting it)"""
     # ---- ADCA: the labeller ----
     labeler_backend: Literal["auto", "api", "self", "oracle"] = "auto"
     """api: an OpenAI-compatible endpoint; self: the policy itself, greedy; oracle: privileged planner judgments
@@ -137,7 +152,9 @@ class Args:
     labeler_deadline_s: float = 900.0
     """all labelling of one update ends by then; trajectories without labels get uniform ones"""
     labeler_max_attempts: int = 20
-    """attempts per request (all within the deadline)"""
+    """attempts per request (all within the deadline); 400/401/403/404/422 answers are not retried"""
+    labeler_circuit_failures: int = 5
+    """this many connection failures in a row end the update's labelling at once (fallback labels); the next tries again"""
     labeler_rate_limit_backoff_s: float = 1.0
     """wait after a first 429; x1.5 per further attempt, plus 0-25% jitter"""
     labeler_rate_limit_backoff_cap_s: float = 60.0
@@ -147,7 +164,7 @@ class Args:
     labeler_error_backoff_cap_s: float = 15.0
     """longest wait after another error"""
     labeler_max_step_chars: int = 2000
-    """each action and observation shown to the labeller is cut to this many characters"""
+    """the first observation and each step's reply and answer shown to the labeller are cut to this many characters"""
     labeler_max_new_tokens: int = 4096
     """longest labeller reply (tokens)"""
     labeler_log_dir: str = ""
@@ -168,9 +185,28 @@ class Args:
     eval_games: int = 20
     """games per evaluation split (valid_seen, valid_unseen)"""
     resume: str = ""
-    """"" = new run, "auto" = newest checkpoint of the latest run named exp_name, or a checkpoint/run path"""
+    """"" = new run, "auto" = newest checkpoint of the latest run named exp_name with this seed, or a checkpoint/run
+    path; flags that change what the run is must equal its config.json"""
     eval_only: str = ""
-    """evaluate a checkpoint (its dir, a run dir = its newest, or "auto") into a new run dir's metrics.jsonl, and exit"""
+    """evaluate a checkpoint (its dir, a run dir = its newest, or "auto") into a new run dir's metrics.jsonl, and exit;
+    every flag left at its default takes the run's value"""
+    threads: int = 0
+    """torch CPU threads per process (0 = OMP_NUM_THREADS if set, else the cores / the processes on this machine)"""
+    # ---- sampler (shared with tempo.py) ----
+    sampler: Literal["generate", "vllm"] = "generate"
+    """generate: model.generate() in the training process; vllm: a vLLM server you start (README: Sampling through vLLM)"""
+    sampler_url: str = ""
+    """with --sampler vllm: the server's OpenAI API root, e.g. http://localhost:8000/v1"""
+    sampler_adapter_dir: str = ""
+    """where the adapter is saved for the server to load after each update ("" = {output_dir}/sampler_adapters)"""
+    sampler_concurrency: int = 64
+    """completion requests in flight per process"""
+    sampler_timeout_s: float = 600.0
+    """one completion request's timeout (it is retried after that)"""
+    sampler_deadline_s: float = 1800.0
+    """one turn's burst of requests, retries included, must finish by then or the update fails"""
+    recompute_logprobs: bool = True
+    """with --sampler vllm: the loss's old logprobs come from a trainer forward pass, not from the server"""
 
 
 # ===== model side: identical in tempo.py and adca_grpo.py =====
@@ -213,8 +249,29 @@ def validate_model_args(args) -> None:
         (args.save_every >= 0, f"--save-every must be >= 0, got {args.save_every}"),
         (args.eval_every >= 0, f"--eval-every must be >= 0, got {args.eval_every}"),
         (args.eval_games >= 0, f"--eval-games must be >= 0, got {args.eval_games}"),
+        (args.threads >= 0, f"--threads must be >= 0, got {args.threads}"),
         (not (args.resume and args.eval_only), "--resume and --eval-only cannot be combined"),
         (not args.eval_only or args.eval_games >= 1, "--eval-only needs --eval-games >= 1"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ValueError(message)
+    validate_sampler_args(args)
+
+
+def validate_sampler_args(args) -> None:
+    checks = [
+        (
+            args.sampler == "generate" or args.sampler_url.startswith(("http://", "https://")),
+            f"--sampler vllm needs --sampler-url http://HOST:PORT/v1, got {args.sampler_url!r}",
+        ),
+        (
+            args.sampler == "vllm" or not args.sampler_url,
+            "--sampler-url is only used with --sampler vllm (the default sampler is generate)",
+        ),
+        (args.sampler_concurrency >= 1, f"--sampler-concurrency must be >= 1, got {args.sampler_concurrency}"),
+        (args.sampler_timeout_s > 0, f"--sampler-timeout-s must be > 0, got {args.sampler_timeout_s}"),
+        (args.sampler_deadline_s > 0, f"--sampler-deadline-s must be > 0, got {args.sampler_deadline_s}"),
     ]
     for ok, message in checks:
         if not ok:
@@ -233,7 +290,30 @@ def make_accelerator():
             f"accelerate config: {accelerator.distributed_type} is not supported; launch with DDP "
             "(accelerate launch --multi_gpu), see the README"
         )
+    if os.environ.get("MASTER_PORT") and accelerator.num_processes == 1:  # `accelerate launch --num_processes N`
+        print(
+            "[start] WARNING: launched for several processes but running ONE: on CPU, accelerate needs "
+            "`accelerate launch --multi_gpu --num_processes N ...` (see the README)",
+            file=sys.stderr,
+        )
     return accelerator
+
+
+def set_threads(args, local_processes: int) -> int:
+    """torch's CPU threads: --threads, else OMP_NUM_THREADS when set, else the cores shared by the local processes.
+    Warns when the machine is already busy: threads fighting over cores made runs 20x slower."""
+    cores = len(os.sched_getaffinity(0))
+    threads = args.threads or int(os.environ.get("OMP_NUM_THREADS") or 0) or max(1, cores // local_processes)
+    torch.set_num_threads(threads)
+    load = os.getloadavg()[0]
+    if load + threads * local_processes > cores + 0.5:
+        print(
+            f"[start] WARNING: load average {load:.1f} on {cores} cores before this run's "
+            f"{local_processes} x {threads} thread(s): oversubscribed, expect a large slowdown"
+            + (" (try --threads 1)" if threads > 1 else ""),
+            file=sys.stderr,
+        )
+    return threads
 
 
 def require_writable_dir(path, flag: str) -> Path:
@@ -267,13 +347,11 @@ def check_model(model: str) -> None:
 
 def training_games(args, accelerator) -> tuple[str, list[str]]:
     """(data root, this process's shard of the training games, shuffled with the seed); fails naming --data-root."""
-    with accelerator.main_process_first():  # the offline game set is generated once, not once per process
-        data_root = args.data_root or str(common.default_data_root())
     try:
-        games = common.discover_games(data_root, args.split, args.task_types, seed=args.seed)
+        games = common.discover_games(args.data_root, args.split, args.task_types, seed=args.seed)
     except FileNotFoundError as error:
-        raise ValueError(f"--data-root {data_root}: {error}") from error
-    return data_root, games[accelerator.process_index :: accelerator.num_processes] or games
+        raise ValueError(f"--data-root {args.data_root}: {error}") from error
+    return args.data_root, games[accelerator.process_index :: accelerator.num_processes] or games
 
 
 def seed_everything(seed: int) -> None:
@@ -334,8 +412,12 @@ class SampledTokenLogprobs:
 
 def make_sampler(model, tokenizer, accelerator, args, greedy: bool = False) -> common.SampleFn:
     """common.SampleFn over generate(): left-padded chunks of sample_batch_size prompts. A token's logprob is
-    log_softmax(raw logits / temperature), which equals a teacher-forced pass at that temperature."""
+    log_softmax(raw logits / temperature), which equals a teacher-forced pass at that temperature.
+    With --sampler vllm the samples come from the server instead (ServerSampler)."""
     from transformers import LogitsProcessorList
+
+    if args.sampler == "vllm":
+        return ServerSampler(model, tokenizer, accelerator, args, greedy)
 
     pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
 
@@ -376,6 +458,190 @@ def make_sampler(model, tokenizer, accelerator, args, greedy: bool = False) -> c
         return completions
 
     return sample
+
+
+class ServerSampler:
+    """common.SampleFn through a vLLM server's OpenAI API, as vLLM 0.20 serves it (vllm/entrypoints/openai:
+    /v1/models, /v1/completions, /v1/load_lora_adapter, /v1/unload_lora_adapter). Prompts go as token ids and the
+    sampled ids come back with their logprobs (return_tokens_as_token_ids), so nothing is re-tokenised. The server
+    samples with the current adapter, named after its weights: whenever the LoRA parameters have changed (an
+    optimizer step, a resumed checkpoint) the main process saves them and loads them under the new name, unloading
+    the previous one; the other processes wait until the server lists the new name."""
+
+    def __init__(self, model, tokenizer, accelerator, args, greedy: bool = False):
+        self.model, self.tokenizer, self.accelerator, self.args = model, tokenizer, accelerator, args
+        self.url, self.greedy = args.sampler_url.rstrip("/"), greedy
+        self.adapter_dir = Path(args.sampler_adapter_dir or Path(args.output_dir) / "sampler_adapters").resolve()
+        self.adapter_name, self.weights_version = None, None
+        served = self._served_models()
+        bases = {name for card in served if card.get("parent") is None for name in (card["id"], card.get("root"))}
+        if not {args.model, common.resolve_model(args.model)} & bases:  # tiny: served by its path
+            raise ValueError(
+                f"--model {args.model}, but the server at --sampler-url {self.url} serves "
+                f"{sorted(c['id'] for c in served)}: start `vllm serve {args.model}` there"
+            )
+        self.sync_adapter()  # the first load proves that runtime LoRA loading works and that the rank fits
+
+    def _control(self, method: str, path: str, body: dict | None = None):
+        import httpx
+
+        try:
+            return httpx.request(method, self.url + path, json=body, timeout=self.args.sampler_timeout_s)
+        except httpx.HTTPError as error:
+            raise ValueError(
+                f"--sampler-url {self.url}: no server answers {method} {path} ({type(error).__name__}: {error}); "
+                "start vLLM first (README: Sampling through vLLM)"
+            ) from error
+
+    def _served_models(self) -> list[dict]:
+        response = self._control("GET", "/models")
+        if response.status_code != 200:
+            raise ValueError(
+                f"--sampler-url {self.url}: GET /models answered {response.status_code} "
+                f"({error_message(response)}); the URL must be the OpenAI API root, ending in /v1"
+            )
+        return response.json()["data"]
+
+    def sync_adapter(self) -> None:
+        """Make the server's copy of the adapter the current one, if the LoRA parameters changed in place since
+        the last call (torch counts in-place writes per tensor: optimizer steps, checkpoint loads)."""
+        from peft import get_peft_model_state_dict
+
+        policy = self.accelerator.unwrap_model(self.model)
+        version = sum(p._version for p in policy.parameters() if p.requires_grad)
+        if version == self.weights_version:
+            return
+        digest = adapter_sha256(get_peft_model_state_dict(policy))
+        name = f"{self.args.exp_name}-{self.args.lora_alpha}-{digest[:16]}"
+        if self.accelerator.is_main_process:
+            if name not in {card["id"] for card in self._served_models()}:
+                policy.save_pretrained(str(self.adapter_dir / name))
+                self._load_adapter(name)
+            if self.adapter_name not in (None, name):
+                self._control("POST", "/unload_lora_adapter", {"lora_name": self.adapter_name})  # 404: already gone
+                shutil.rmtree(self.adapter_dir / self.adapter_name, ignore_errors=True)
+        else:
+            self._wait_until_served(name)
+        self.adapter_name, self.weights_version = name, version
+
+    def _load_adapter(self, name: str) -> None:
+        path = self.adapter_dir / name
+        response = self._control("POST", "/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
+        if response.status_code == 200:
+            return
+        message = error_message(response)
+        if response.status_code == 404 and '"error"' not in response.text:  # FastAPI's own 404: no such route
+            problem = (
+                "the server does not allow runtime LoRA loading: start it with VLLM_ALLOW_RUNTIME_LORA_UPDATING=true"
+            )
+        elif "max_lora_rank" in message:
+            problem = (
+                f"--lora-rank {self.args.lora_rank} is above the server's --max-lora-rank; "
+                f"restart vllm serve with --max-lora-rank >= {self.args.lora_rank}"
+            )
+        elif "not enabled" in message.lower():
+            problem = "the server was started without LoRA: start vllm serve with --enable-lora"
+        elif response.status_code == 404:
+            problem = f"the server cannot read {path}: --sampler-adapter-dir must be a directory the server sees"
+        else:
+            problem = "loading the adapter failed"
+        raise ValueError(
+            f"--sampler-url {self.url}: {problem} (POST /load_lora_adapter: {response.status_code} {message})"
+        )
+
+    def _wait_until_served(self, name: str) -> None:
+        deadline = time.monotonic() + self.args.sampler_deadline_s
+        while name not in {card["id"] for card in self._served_models()}:
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"--sampler-url {self.url}: the main process did not load adapter {name} within "
+                    f"--sampler-deadline-s {self.args.sampler_deadline_s} s"
+                )
+            time.sleep(0.5)
+
+    def __call__(self, prompts: list[list[int]], max_new_tokens: int) -> list[common.Completion]:
+        self.sync_adapter()
+        return asyncio.run(self._complete_all(prompts, max_new_tokens)) if prompts else []
+
+    async def _complete_all(self, prompts: list[list[int]], max_new_tokens: int) -> list[common.Completion]:
+        import httpx
+
+        args = self.args
+        deadline = asyncio.get_running_loop().time() + args.sampler_deadline_s
+        semaphore = asyncio.Semaphore(args.sampler_concurrency)
+        limits = httpx.Limits(max_connections=args.sampler_concurrency)
+        async with httpx.AsyncClient(base_url=self.url, timeout=args.sampler_timeout_s, limits=limits) as client:
+            return list(
+                await asyncio.gather(*(self._complete(client, p, max_new_tokens, semaphore, deadline) for p in prompts))
+            )
+
+    async def _complete(self, client, prompt: list[int], max_new_tokens: int, semaphore, deadline: float):
+        """One prompt: server errors, timeouts and lost connections are retried with exponential backoff until
+        the deadline; a request the server refuses (4xx) fails at once."""
+        import httpx
+
+        args, loop = self.args, asyncio.get_running_loop()
+        body = {  # every sampling field is sent: the server's defaults come from the model's generation_config
+            "model": self.adapter_name,
+            "prompt": list(prompt),
+            "max_tokens": max_new_tokens,
+            "temperature": 0.0 if self.greedy else args.temperature,
+            "top_p": 1.0 if self.greedy else args.top_p,
+            "top_k": -1,
+            "min_p": 0.0,
+            "repetition_penalty": 1.0,
+            "presence_penalty": 0.0,
+            "frequency_penalty": 0.0,
+            "logprobs": 0,
+            "return_tokens_as_token_ids": True,
+            "stop_token_ids": [self.tokenizer.eos_token_id],
+        }
+        attempts, error = 0, None
+        while (remaining := deadline - loop.time()) > 0:
+            attempts += 1
+            try:
+                async with semaphore:
+                    response = await asyncio.wait_for(client.post("/completions", json=body), timeout=remaining)
+            except (httpx.HTTPError, asyncio.TimeoutError) as exc:
+                error = f"{type(exc).__name__}: {exc}"
+            else:
+                if response.status_code == 200:
+                    return self._completion(response.json())
+                error = f"{response.status_code} {error_message(response)}"
+                if response.status_code < 500 and response.status_code not in (408, 429):
+                    raise RuntimeError(f"--sampler-url {self.url}: the server refused a completion request ({error})")
+            await asyncio.sleep(min(0.5 * 2 ** (attempts - 1), 15.0, max(0.0, deadline - loop.time())))
+        raise RuntimeError(
+            f"--sampler-url {self.url}: a completion was not answered within --sampler-deadline-s "
+            f"{args.sampler_deadline_s} s ({attempts} attempts); last error: {error}"
+        )
+
+    def _completion(self, payload: dict) -> common.Completion:
+        logprobs = payload["choices"][0].get("logprobs") or {}
+        names, values = logprobs.get("tokens") or [], logprobs.get("token_logprobs") or []
+        if len(names) != len(values) or None in values or not all(str(n).startswith("token_id:") for n in names):
+            raise RuntimeError(
+                f"--sampler-url {self.url}: the completion came back without token ids and logprobs "
+                "(return_tokens_as_token_ids, logprobs); is it a vLLM server?"
+            )
+        tokens = [int(n.removeprefix("token_id:")) for n in names]
+        end = tokens.index(self.tokenizer.eos_token_id) + 1 if self.tokenizer.eos_token_id in tokens else len(tokens)
+        text = self.tokenizer.decode(tokens[:end], skip_special_tokens=True)
+        return common.Completion(tokens[:end], [float(x) for x in values[:end]], text)
+
+
+def error_message(response) -> str:
+    """The message of an error response: vLLM's {"error": {"message"}} (older: {"message"}), FastAPI's {"detail"}."""
+    try:
+        body = response.json()
+    except ValueError:
+        body = None
+    if isinstance(body, dict):
+        error = body.get("error")
+        message = error.get("message") if isinstance(error, dict) else body.get("message") or body.get("detail")
+        if message:
+            return str(message)
+    return response.text[:500]
 
 
 def token_budget_batches(lengths: Sequence[int], micro_batch_tokens: int) -> list[list[int]]:
@@ -425,21 +691,47 @@ def sequence_logprobs(
     return result
 
 
+def refresh_old_logprobs(model, accelerator, datums: list[Datum], args, pad_id: int) -> dict:
+    """With --sampler vllm and --recompute-logprobs: the datums' old logprobs become the trainer's own (the
+    server's kernels and precision differ), and the drift |server - trainer| over the trained tokens is reported."""
+    if args.sampler != "vllm" or not args.recompute_logprobs or not datums:
+        return {}
+    trainer = sequence_logprobs(
+        model, accelerator, [d.tokens for d in datums], args.temperature, pad_id, args.micro_batch_tokens
+    )
+    drift = []
+    for datum, fresh in zip(datums, trainer):
+        drift += [abs(old - new) for old, new, m in zip(datum.old_logprobs, fresh, datum.mask) if m]
+        datum.old_logprobs = fresh
+    return {
+        "rollout/logprob_drift_mean": math.fsum(drift) / max(1, len(drift)),
+        "rollout/logprob_drift_max": max(drift, default=0.0),
+    }
+
+
 @dataclass
 class Datum:
-    """One training sequence: per token the old (sampling) logprob, the advantage and whether it is trained."""
+    """One training sequence: per token the old (sampling) logprob, the advantage and whether it is trained;
+    ref_logprobs (the base model's, for a KL loss term) when the loss needs them."""
 
     tokens: list[int]
     old_logprobs: list[float]
     advantages: list[float]
     mask: list[float]
+    ref_logprobs: list[float] | None = None
 
     def __post_init__(self):
         n = len(self.tokens)
         if not (len(self.old_logprobs) == len(self.advantages) == len(self.mask) == n) or n < 2:
             raise ValueError(f"datum fields must have one entry per token (>= 2 tokens), got {n} tokens")
+        if self.ref_logprobs is not None and len(self.ref_logprobs) != n:
+            raise ValueError(f"ref_logprobs must have one entry per token ({n}), got {len(self.ref_logprobs)}")
         if self.mask[0]:
             raise ValueError("the first token of a datum has no prediction and cannot be trained")
+
+
+# loss_fn(logprobs, batch, total_tokens) -> (loss, stats); see train_step
+LossFn = Callable[[torch.Tensor, dict[str, torch.Tensor], float], tuple[torch.Tensor, dict[str, float]]]
 
 
 def train_step(
@@ -447,18 +739,21 @@ def train_step(
     optimizer,
     accelerator,
     datums: list[Datum],
+    loss_fn: LossFn,
     *,
     temperature: float,
     pad_id: int,
     micro_batch_tokens: int,
     max_grad_norm: float,
-    clip: tuple[float, float] | None = None,
 ) -> dict:
     """One optimizer step on all datums (token-budget micro-batches, gradient accumulation).
 
-    Loss per trained token, ratio = exp(logp - old_logp): clip=None is the importance-sampling policy
-    gradient -ratio * A (Tinker style); clip=(eps_low, eps_high) is PPO's -min(ratio * A, clip(ratio) * A).
-    Token mean over the whole update, all processes together. A non-finite loss or gradient norm skips the step."""
+    The algorithm's loss_fn gets the policy's teacher-forced logprobs of one micro-batch [rows, width], the
+    micro-batch's right-padded datum fields (old_logprobs, advantages, mask; ref_logprobs when every datum has them)
+    and the number of trained tokens of the whole update on all processes; it returns the micro-batch's share of the
+    update's loss and per-token sums, logged as train/{name} means. A non-finite loss or gradient norm skips the step."""
+    from accelerate.utils import gather_object
+
     policy = accelerator.unwrap_model(model)  # gradients are summed across processes by hand below
     policy.train()
     params = [p for p in policy.parameters() if p.requires_grad]
@@ -468,31 +763,28 @@ def train_step(
     optimizer.zero_grad(set_to_none=True)
     if total_tokens == 0:
         return {"train/tokens": 0.0, "train/nonfinite_skipped": 0.0}
-    loss_sum = ratio_sum = clipped = 0.0
-    ratio_max = 0.0
+    loss_sum = ratio_sum = ratio_max = 0.0
+    stat_sums: dict[str, float] = {}
     for batch in token_budget_batches([len(d.tokens) for d in datums], micro_batch_tokens):
         rows = [datums[i] for i in batch]
         width = max(len(d.tokens) for d in rows)
-
-        def padded(field: str) -> torch.Tensor:
-            return torch.tensor([getattr(d, field) + [0.0] * (width - len(d.tokens)) for d in rows], device=device)
-
+        fields = ["old_logprobs", "advantages", "mask"] + (
+            ["ref_logprobs"] if all(d.ref_logprobs is not None for d in rows) else []
+        )
+        padded = {
+            name: torch.tensor([getattr(d, name) + [0.0] * (width - len(d.tokens)) for d in rows], device=device)
+            for name in fields
+        }
         logprobs = forward_logprobs(policy, [d.tokens for d in rows], temperature, pad_id, device)
-        old_logprobs, advantages, mask = padded("old_logprobs"), padded("advantages"), padded("mask")
-        ratio = torch.exp(logprobs - old_logprobs)
-        if clip is None:
-            per_token = -ratio * advantages
-            is_clipped = torch.zeros_like(mask)
-        else:
-            clipped_ratio = ratio.clamp(1.0 - clip[0], 1.0 + clip[1])
-            per_token = -torch.minimum(ratio * advantages, clipped_ratio * advantages)
-            is_clipped = (clipped_ratio * advantages < ratio * advantages).float()
-        loss = (per_token * mask).sum() / total_tokens
+        loss, stats = loss_fn(logprobs, padded, total_tokens)
         loss.backward()
         loss_sum += loss.item()
-        ratio_sum += (ratio.detach() * mask).sum().item()
-        ratio_max = max(ratio_max, (ratio.detach() * mask).max().item())
-        clipped += (is_clipped * mask).sum().item()
+        ratio = torch.exp(logprobs.detach() - padded["old_logprobs"]) * padded["mask"]
+        ratio_sum += ratio.sum().item()
+        ratio_max = max(ratio_max, ratio.max().item())
+        for name, value in stats.items():
+            stat_sums[name] = stat_sums.get(name, 0.0) + float(value)
+    names = sorted(stat_sums)
     if accelerator.num_processes > 1:
         flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in params])
         torch.distributed.all_reduce(flat)
@@ -500,9 +792,12 @@ def train_step(
         for p in params:
             p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
             offset += p.numel()
+        names = sorted({name for rank_names in gather_object([names]) for name in rank_names})
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm).item()
-    sums = accelerator.reduce(torch.tensor([loss_sum, ratio_sum, clipped], dtype=torch.float64, device=device), "sum")
-    loss_total, ratio_total, clipped_total = sums.tolist()
+    sums = [loss_sum, ratio_sum] + [stat_sums.get(name, 0.0) for name in names]
+    loss_total, ratio_total, *stat_totals = accelerator.reduce(
+        torch.tensor(sums, dtype=torch.float64, device=device), "sum"
+    ).tolist()
     ratio_max = (
         accelerator.reduce(torch.tensor([ratio_max], device=device), "max").item()
         if accelerator.num_processes > 1
@@ -520,7 +815,7 @@ def train_step(
         "train/grad_norm": grad_norm,
         "train/ratio_mean": ratio_total / total_tokens,
         "train/ratio_max": ratio_max,
-        "train/clip_frac": clipped_total / total_tokens,
+        **{f"train/{name}": total / total_tokens for name, total in zip(names, stat_totals)},
         "train/nonfinite_skipped": 0.0 if finite else 1.0,
     }
 
@@ -733,14 +1028,14 @@ def _checkpoints_in(run_dir: Path) -> list[Path]:
     return sorted(p for p in (run_dir / "checkpoints").glob("update_*") if (p / "trainer_state.json").is_file())
 
 
-def find_checkpoint(spec: str, output_dir: str, exp_name: str, flag: str) -> Path | None:
+def find_checkpoint(spec: str, output_dir: str, exp_name: str, seed: int, flag: str) -> Path | None:
     """`spec` of --resume / --eval-only: "" -> None; "auto" -> newest checkpoint of the latest run named exp_name
-    (None if there is none); a checkpoint dir; or a run dir (its newest checkpoint)."""
+    with this seed (None if there is none); a checkpoint dir; or a run dir (its newest checkpoint)."""
     if not spec:
         return None
     if spec == "auto":
         runs = sorted(
-            Path(output_dir).glob(f"{exp_name}__*"),
+            Path(output_dir).glob(f"{exp_name}__{seed}__*"),
             key=lambda p: (int(p.name.split("__")[-1]), p.name) if p.name.split("__")[-1].isdigit() else (0, p.name),
         )
         for run_dir in reversed(runs):
@@ -758,13 +1053,13 @@ def find_checkpoint(spec: str, output_dir: str, exp_name: str, flag: str) -> Pat
 def check_checkpoint(path: Path, args, algorithm: str, flag: str, num_processes: int | None) -> dict:
     """Open every file of a checkpoint and compare it with the flags, before anything loads; returns its
     trainer state. num_processes: resuming (optimizer and RNG states needed, one state per process)."""
-    from safetensors import SafetensorError, safe_open
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
 
     try:
         state = json.loads((path / "trainer_state.json").read_text())
         adapter_config = json.loads((path / "adapter_config.json").read_text())
-        with safe_open(str(path / "adapter_model.safetensors"), "pt"):
-            pass
+        adapter = load_file(str(path / "adapter_model.safetensors"))
         if num_processes is not None:
             for name in ("optimizer.pt", "rng.pt"):
                 zipfile.ZipFile(path / name).close()  # a torch.save file is a zip; a truncated one has no directory
@@ -779,6 +1074,11 @@ def check_checkpoint(path: Path, args, algorithm: str, flag: str, num_processes:
         or not isinstance(state.get("rank_states"), list)
     ):
         raise ValueError(f"{flag} {path}: corrupt checkpoint (trainer_state.json lacks update / rank_states)")
+    if state.get("adapter_sha256") not in (None, adapter_sha256(adapter)):
+        raise ValueError(
+            f"{flag} {path}: corrupt checkpoint (adapter_model.safetensors does not match the sha256 in "
+            "trainer_state.json); pass an older checkpoint dir"
+        )
     if state.get("algorithm") != algorithm:
         raise ValueError(
             f"{flag} {path} is a checkpoint of {state.get('algorithm')!r}; this script trains {algorithm!r}"
@@ -800,19 +1100,113 @@ def check_checkpoint(path: Path, args, algorithm: str, flag: str, num_processes:
     return state
 
 
-def check_start(args, algorithm: str, accelerator) -> tuple[Path | None, dict | None]:
-    """Model, output dir and checkpoint checks that fail at start, before any model loads. Returns the checkpoint to
-    load (--resume, --eval-only) and its trainer state, or (None, None) for a new run."""
-    check_model(args.model)
-    require_writable_dir(args.output_dir, "--output-dir")
-    flag, spec = ("--eval-only", args.eval_only) if args.eval_only else ("--resume", args.resume)
-    checkpoint = find_checkpoint(spec, args.output_dir, args.exp_name, flag)
-    if checkpoint is None:
+class StartupError(ValueError):
+    """A bad flag, game, checkpoint or endpoint, found before training (the CLI prints it as one line, exits 2)."""
+
+
+@contextlib.contextmanager
+def starting():
+    """A ValueError raised inside is a StartupError."""
+    try:
+        yield
+    except ValueError as error:
+        raise StartupError(str(error)) from error
+
+
+# Flags a resumed run may change: where and how fast it runs and what it logs, not what it trains.
+RESUME_FREE_FLAGS = (
+    "resume",
+    "eval_only",
+    "output_dir",
+    "track",
+    "wandb_project",
+    "save_every",
+    "eval_every",
+    "eval_games",
+    "threads",
+    "micro_batch_tokens",
+    "sample_batch_size",
+    "sampler",
+    "sampler_url",
+    "sampler_adapter_dir",
+    "sampler_concurrency",
+    "sampler_timeout_s",
+    "sampler_deadline_s",
+)
+
+
+def start(args, algorithm: str, accelerator, validate_args, resume_may_change: Sequence[str] = ()):
+    """Every check that can fail at start, before any model loads: flags, threads, model, output dir, checkpoint,
+    games. Returns (args as the run uses them, checkpoint to load or None, its trainer state or None). The args:
+    data root resolved; --eval-only: every flag left at its default takes the evaluated run's value (its
+    config.json); --resume: flags that change what the run is (all but RESUME_FREE_FLAGS and resume_may_change)
+    must equal the run's."""
+    with starting():
+        validate_model_args(args)  # before looking the checkpoint up (--resume and --eval-only exclude each other)
+        flag, spec = ("--eval-only", args.eval_only) if args.eval_only else ("--resume", args.resume)
+        checkpoint = find_checkpoint(spec, args.output_dir, args.exp_name, args.seed, flag)
+        config_file = checkpoint.parent.parent / "config.json" if checkpoint is not None else None
+        config = json.loads(config_file.read_text()) if config_file is not None and config_file.is_file() else {}
         if args.eval_only:
-            raise ValueError(f"--eval-only auto: no checkpoint of a run named {args.exp_name} in {args.output_dir}")
-        return None, None
-    state = check_checkpoint(checkpoint, args, algorithm, flag, None if args.eval_only else accelerator.num_processes)
-    return checkpoint, state
+            defaults = dataclasses.asdict(type(args)())
+            inherited = {
+                key: tuple(value) if isinstance(value, list) else value
+                for key, value in config.items()
+                if key in defaults
+                and key not in ("resume", "eval_only", "output_dir", "threads")
+                and getattr(args, key) == defaults[key]
+            }
+            args = dataclasses.replace(args, **inherited)
+        validate_args(args)
+        set_threads(args, int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes)))
+        check_model(args.model)
+        require_writable_dir(args.output_dir, "--output-dir")
+        if checkpoint is None and spec:
+            if args.eval_only:
+                raise ValueError(
+                    f"--eval-only auto: no checkpoint of a run {args.exp_name}__{args.seed}__* in {args.output_dir}"
+                )
+            print(
+                f"[start] --resume auto: no checkpoint of a run {args.exp_name}__{args.seed}__* in "
+                f"{args.output_dir}; starting a new run",
+                file=sys.stderr,
+            )
+        with accelerator.main_process_first():  # the offline game set is generated once, not once per process
+            args = dataclasses.replace(args, data_root=args.data_root or str(common.default_data_root()))
+        state = None
+        if checkpoint is not None:
+            state = check_checkpoint(
+                checkpoint, args, algorithm, flag, None if args.eval_only else accelerator.num_processes
+            )
+            ours, free = json.loads(json.dumps(dataclasses.asdict(args))), (*RESUME_FREE_FLAGS, *resume_may_change)
+            differences = [
+                f"--{key.replace('_', '-')} {ours[key]} (the run: {config[key]})"
+                for key in ours
+                if not args.eval_only and key in config and key not in free and ours[key] != config[key]
+            ]
+            if differences:
+                raise ValueError(
+                    f"--resume {checkpoint}: these flags change what the run is, and differ from its "
+                    f"{config_file}: {'; '.join(differences)}. Pass the run's values, or start a new run"
+                )
+        games = [] if args.eval_only else training_games(args, accelerator)[1]
+        for split in ("valid_seen", "valid_unseen") if args.eval_only or args.eval_every else ():
+            try:
+                games += common.eval_subset(args.data_root, split, args.task_types, args.eval_games)
+            except FileNotFoundError:
+                pass  # evaluate() says so
+        common.check_games(games)
+        return args, checkpoint, state
+
+
+def cli(args_type, main) -> None:
+    """tyro's CLI around main: a StartupError prints just its message and exits 2, as tyro does for a bad flag."""
+    args = tyro.cli(args_type)
+    try:
+        main(args)
+    except StartupError as error:
+        print(f"error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def load_checkpoint(path: Path, model, optimizer, accelerator) -> None:
@@ -841,14 +1235,14 @@ def evaluate(
     max_trajectory_tokens: int,
     on_turn=None,
 ) -> dict:
-    """Greedy episodes on the first eval_games games of valid_seen and valid_unseen (sharded over processes).
+    """Greedy episodes on eval_games games (common.eval_subset) of valid_seen and valid_unseen (sharded over processes).
     invalid_action_rate = turns whose reply was not an admissible action (bad format or not admissible)."""
     from accelerate.utils import gather_object
 
     metrics = {}
     for split in ("valid_seen", "valid_unseen"):
         try:
-            games = common.discover_games(data_root, split, task_types)[:eval_games]
+            games = common.eval_subset(data_root, split, task_types, eval_games)
         except FileNotFoundError as error:
             print(f"[eval] skipping {split}: {error}", file=sys.stderr)
             continue
@@ -921,14 +1315,30 @@ def close_distributed() -> None:
 
 
 # =============================================================================================
-# ADCA advantages (update steps 2 and 4): AgentEvolver's decouple fusion of labels and outcomes
+# ADCA advantages and loss (update steps 2, 4 and 5): AgentEvolver's decouple fusion of labels and outcomes,
+# the plain GRPO baseline, PPO-clip
 # =============================================================================================
 EPS = 1e-8
 
 
+def grpo_advantages(orm_scores: Sequence[float], group_ids: Sequence[int]) -> list[float]:
+    """The plain GRPO baseline's outcome advantage, as veRL computes it for AgentEvolver's trainer:
+    (score - group mean) / (unbiased group std + 1e-6); a group of one is left as it is (mean 0, std 1)."""
+    members = defaultdict(list)
+    for i, group in enumerate(group_ids):
+        members[group].append(i)
+    advantages = [0.0] * len(orm_scores)
+    for idxs in members.values():
+        scores = [float(orm_scores[i]) for i in idxs]
+        mean, std = (math.fsum(scores) / len(scores), statistics.stdev(scores)) if len(scores) > 1 else (0.0, 1.0)
+        for i, score in zip(idxs, scores):
+            advantages[i] = (score - mean) / (std + 1e-6)
+    return advantages
+
+
 def group_outcome_advantages(orm_scores: Sequence[float], group_ids: Sequence[int]) -> list[float]:
-    """GRPO's outcome advantage: z-score of the outcome within its group (only centred when the
-    group's outcomes are all equal, so a uniform group gets exactly 0)."""
+    """The decouple's outcome term: z-score of the outcome within its group, population std (only centred
+    when the group's outcomes are all equal, so a uniform group gets exactly 0)."""
     members = defaultdict(list)
     for i, group in enumerate(group_ids):
         members[group].append(i)
@@ -991,8 +1401,8 @@ def decouple_step_rewards(
     length_normalization: bool,
 ) -> list[list[float]]:
     """AgentEvolver's `decouple` scheme: PRM labels and ORM outcomes are z-scored separately within
-    each group, then fused per step: alpha * z_prm + the outcome advantage (on the last step or on
-    every step), optionally scaled by 1/sqrt(steps). A trajectory without steps gets []."""
+    each group, then fused per step: alpha * z_prm + the outcome advantage (on the last step, on every
+    step, or nowhere with only_prm), optionally scaled by 1/sqrt(steps). A trajectory without steps gets []."""
     _check_decouple_inputs(orm_scores, step_flags, group_ids, orm_distribution)
     prm_z = _prm_zscores(step_flags, group_ids, fix_base, equal_trajectory_weight)
     outcome_adv = group_outcome_advantages(orm_scores, group_ids)
@@ -1000,12 +1410,14 @@ def decouple_step_rewards(
     for z, adv in zip(prm_z, outcome_adv):
         num_steps = len(z)
         scale = 1.0 / math.sqrt(num_steps) if length_normalization and num_steps else 1.0
-        fused = [
-            alpha * zj + (adv if orm_distribution == "all_steps" or j == num_steps - 1 else 0.0)
-            for j, zj in enumerate(z)
-        ]
+        fused = [alpha * zj + adv * _outcome_on_step(orm_distribution, j, num_steps) for j, zj in enumerate(z)]
         rewards.append([c * scale for c in fused])
     return rewards
+
+
+def _outcome_on_step(orm_distribution: str, step: int, num_steps: int) -> float:
+    """1 where the decouple adds the outcome advantage to a step's reward, else 0."""
+    return float(orm_distribution == "all_steps" or (orm_distribution == "last_step" and step == num_steps - 1))
 
 
 def decouple_health_metrics(
@@ -1042,7 +1454,7 @@ def decouple_health_metrics(
         attr_values += z
         out_values.append(outcome_adv[i])
         attr_abs = math.fsum(abs(alpha * zj) for zj in z)
-        out_last = abs(outcome_adv[i])
+        out_last = abs(outcome_adv[i]) * _outcome_on_step(orm_distribution, len(z) - 1, len(z))
         out_abs = out_last * (len(z) if orm_distribution == "all_steps" else 1)
         shares.append(out_last / (out_last + attr_abs + 1e-12))
         alpha_ratios.append(attr_abs / (out_abs + 1e-12))
@@ -1107,13 +1519,64 @@ def broadcast_to_tokens(step_advantages: Sequence[Sequence[float]], step_ids: to
     return table.gather(1, index).to(step_ids.device)
 
 
+def step_advantages(
+    orm_scores: Sequence[float],
+    step_flags: Sequence[Sequence[bool]],
+    group_ids: Sequence[int],
+    decouple: dict | None,
+) -> list[list[float]]:
+    """The advantage of every step. decouple=None: plain multi-turn GRPO, every step gets its episode's
+    GRPO outcome advantage, whatever the decouple settings say. Otherwise: suffix sums of the decouple's step
+    rewards (decouple_step_rewards' keyword arguments)."""
+    if decouple is None:
+        return [
+            [advantage] * len(flags) for advantage, flags in zip(grpo_advantages(orm_scores, group_ids), step_flags)
+        ]
+    return suffix_sum(decouple_step_rewards(orm_scores, step_flags, group_ids, **decouple))
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    batch: dict[str, torch.Tensor],
+    total_tokens: float,
+    *,
+    clip_eps: float = 0.2,
+    clip_eps_high: float | None = None,
+    dual_clip_c: float | None = None,
+    kl_loss_coef: float = 0.0,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """train_step's loss: PPO-clip per generated token, token mean over the whole update (veRL's token-mean).
+
+    ratio = exp(logp - old_logp), loss = max(-A * ratio, -A * clip(ratio, 1 - eps, 1 + eps_high)) (clip-higher when
+    eps_high > eps); dual clip caps the loss of a token with A < 0 at -A * c, so a huge ratio on a bad token cannot
+    dominate; the KL term is k3 = exp(ref - logp) - (ref - logp) - 1 (clamped to [-10, 10] as veRL's low_var_kl)."""
+    mask, advantages = batch["mask"], batch["advantages"]
+    ratio = torch.exp(logprobs - batch["old_logprobs"])
+    eps_high = clip_eps if clip_eps_high is None else clip_eps_high
+    unclipped, clipped = -advantages * ratio, -advantages * ratio.clamp(1.0 - clip_eps, 1.0 + eps_high)
+    per_token = torch.maximum(unclipped, clipped)
+    stats = {"clip_frac": ((clipped > unclipped).float() * mask).sum().item()}
+    if dual_clip_c is not None:
+        capped = torch.minimum(per_token, -advantages * dual_clip_c)
+        dual_clipped = (advantages < 0) & (capped < per_token)
+        per_token = torch.where(advantages < 0, capped, per_token)
+        stats["dual_clip_frac"] = (dual_clipped.float() * mask).sum().item()
+    if kl_loss_coef > 0:
+        log_ratio = batch["ref_logprobs"] - logprobs
+        kl = (torch.exp(log_ratio) - log_ratio - 1.0).clamp(-10.0, 10.0)
+        per_token = per_token + kl_loss_coef * kl
+        stats["kl_k3"] = (kl.detach() * mask).sum().item()
+    return (per_token * mask).sum() / total_tokens, stats
+
+
 def alpha_at(update: int, args: Args) -> float:
-    """Attribution weight for this update: constant, or cosine from --alpha down to --alpha-min."""
+    """Attribution weight for this update (0-based): constant, or cosine from --alpha down to --alpha-min over the
+    --prm-steps labelled updates."""
     if not args.attribution:
         return 0.0
     if args.alpha_schedule == "constant":
         return args.alpha
-    progress = min(update / max(1, args.num_updates - 1), 1.0)
+    progress = min(update / max(1, args.prm_steps - 1), 1.0)
     return args.alpha_min + 0.5 * (args.alpha - args.alpha_min) * (1.0 + math.cos(math.pi * progress))
 
 
@@ -1122,16 +1585,17 @@ def alpha_at(update: int, args: Args) -> float:
 # =============================================================================================
 # Steps are numbered from 1 in the prompt ("Step 1" is the first step); parse_judgments maps them back to 0-based.
 LABEL_SYSTEM_PROMPT = (
-    "You evaluate the individual steps of an agent that played a household text game (ALFWorld). You receive the "
-    "task, the numbered steps (the action the agent sent and what the game answered) and the episode's overall "
-    "score. A positive score means this attempt ended better than the other attempts at the same task; a negative "
-    "score means it ended worse.\n"
-    "- If the score is positive, a step is GOOD when it moved the agent closer to completing the task (going where "
-    "the needed object or receptacle is, taking, cleaning, heating, cooling or placing the right object) and BAD when "
-    "it was useless, repeated, invalid or harmful.\n"
-    "- If the score is negative, a step is GOOD only when it clearly made progress or corrected an earlier mistake; "
-    "otherwise it is BAD.\n"
-    "Judge what each action actually did, as the observations show. Reply in the required format and nothing else."
+    "You judge the steps of an agent that played a household text game (ALFWorld). You receive the task with the "
+    "game's first observation (the room and what it holds), the numbered steps (the agent's whole reply - its "
+    "reasoning and the command it sent - then the game's answer) and the episode's outcome: +1 (positive) if the "
+    "agent completed the task, -1 (negative) if it did not.\n"
+    "- Judge every step on its own merit, by what it did and what the game answered. Do not give all steps the same "
+    "label because of the outcome: a won episode can hold useless steps and a lost one useful steps.\n"
+    "- GOOD: the step brought the task closer (going where a needed object or receptacle is, finding, taking, "
+    "opening, cleaning, heating, cooling or placing the right object) or repaired an earlier mistake.\n"
+    "- BAD: the step was useless, repeated, invalid, not admissible or harmful. A step whose result is never used "
+    "later is BAD. Completing the task with the wrong object or in the wrong place is BAD.\n"
+    "Reply in the required format and nothing else."
 )
 
 
@@ -1160,35 +1624,40 @@ def _trim(text: str, limit: int) -> str:
 
 
 def describe_steps(traj: common.Trajectory) -> list[tuple[str, str]]:
-    """(action, observation) per step, as the labeller sees them."""
+    """(the agent's whole reply, the game's answer) per step, as the labeller sees them."""
     steps = []
     for step in traj.steps:
         if not step.valid:
-            steps.append(
-                (f"(no valid action; the reply was: {step.text.strip()})", "Invalid format: the game did not advance.")
-            )
+            answer = "Invalid format: no action was sent, the game did not advance."
+        elif not step.admissible:
+            answer = f"Not an admissible action. {step.observation}"
         else:
-            steps.append(
-                (step.action, step.observation if step.admissible else f"Not an admissible action. {step.observation}")
-            )
+            answer = step.observation
+        steps.append((step.text.strip(), answer))
     return steps
 
 
+def outcome_score(orm_score: float) -> float:
+    """The outcome as the labeller is told it (as AgentEvolver sends it): the 0/1 score rescaled to [-1, 1]."""
+    return 2.0 * orm_score - 1.0
+
+
 def build_label_messages(
-    task: str, steps: Sequence[tuple[str, str]], overall_score: float, max_step_chars: int
+    first_observation: str, steps: Sequence[tuple[str, str]], outcome: float, max_step_chars: int
 ) -> list[dict]:
     """The single chat request that asks for a judgment of every step of one trajectory."""
-    polarity = "positive" if overall_score > 0 else "negative"
-    lines = [f"TASK: {task}", "", f"STEPS ({len(steps)} in total):"]
-    for j, (action, observation) in enumerate(steps, start=1):
+    polarity = "positive" if outcome > 0 else "negative"
+    lines = [f"TASK AND FIRST OBSERVATION:\n{_trim(first_observation.strip(), max_step_chars)}", ""]
+    lines.append(f"STEPS ({len(steps)} in total):")
+    for j, (reply, answer) in enumerate(steps, start=1):
         lines += [
             f"Step {j}",
-            f"Action: {_trim(action, max_step_chars)}",
-            f"Observation: {_trim(observation, max_step_chars)}",
+            f"Agent: {_trim(reply, max_step_chars)}",
+            f"Game: {_trim(answer, max_step_chars)}",
             "",
         ]
     lines += [
-        f"OVERALL SCORE: {overall_score:+.4f} ({polarity})",
+        f"OUTCOME: {outcome:+.4f} ({polarity})",
         "",
         f"Judge every step from 1 to {len(steps)}. Answer in exactly this format, nothing else:",
         "Step 1 Analysis: <one or two sentences>",
@@ -1233,33 +1702,91 @@ def labeler_api_key(args: Args) -> str:
 class ApiLabeler:
     """Any OpenAI-compatible chat-completions endpoint, through the official async client, with this
     script's retry policy (the client's own retries are off): 429s back off exponentially with
-    jitter, other errors linearly, two content refusals give up, and nothing outlives the deadline."""
+    jitter, other errors linearly, refusals and permanent 4xx answers are not retried, nothing outlives the
+    deadline, and a run of connection failures opens a circuit that ends the update's labelling at once."""
 
     def __init__(self, args: Args, concurrency: int | None = None):
         self.args, self.api_key = args, labeler_api_key(args)
         self.model_name = args.labeler_model
         self.concurrency = concurrency or args.labeler_concurrency  # this process's share of the bound
+        self.circuit_opened = False  # in the last call
+
+    def check_endpoint(self) -> None:
+        """At start, before the model loads: the endpoint answers, serves --labeler-model (when it lists its
+        models) and one tiny request works. Raises one clear ValueError otherwise."""
+        asyncio.run(self._check_endpoint())
+
+    async def _check_endpoint(self) -> None:
+        args, url = self.args, self.args.labeler_base_url
+        client = openai.AsyncOpenAI(base_url=url, api_key=self.api_key, max_retries=0, timeout=args.labeler_timeout_s)
+        async with client:
+            try:
+                served = [model.id for model in (await client.models.list()).data]
+            except openai.APIConnectionError as error:
+                raise ValueError(f"--labeler-base-url {url}: cannot reach the labeller ({error})") from error
+            except openai.NotFoundError:
+                served = None  # no /models route: the request below decides
+            except openai.APIStatusError as error:
+                raise ValueError(f"--labeler-base-url {url}: /models answered {error.status_code} ({error})") from error
+            if served is not None and args.labeler_model not in served:
+                raise ValueError(f"--labeler-model {args.labeler_model} is not served by {url} (it serves {served})")
+            try:
+                await client.chat.completions.create(
+                    model=args.labeler_model,
+                    messages=[{"role": "user", "content": "Reply with OK."}],
+                    temperature=0.0,
+                    max_tokens=1,
+                )
+            except Exception as error:  # noqa: BLE001 - any failure here means the labeller cannot work
+                raise ValueError(
+                    f"--labeler-base-url {url}: a one-token test request to --labeler-model {args.labeler_model} "
+                    f"failed ({type(error).__name__}: {error})"
+                ) from error
 
     def __call__(self, requests: Sequence[LabelRequest]) -> list[LabelReply]:
+        self.circuit_opened = False
         return asyncio.run(self._label_all(requests)) if requests else []
 
     async def _label_all(self, requests: Sequence[LabelRequest]) -> list[LabelReply]:
         args = self.args
         deadline = asyncio.get_running_loop().time() + args.labeler_deadline_s
         semaphore = asyncio.Semaphore(self.concurrency)
+        circuit = CircuitBreaker(args.labeler_circuit_failures)
         client = openai.AsyncOpenAI(base_url=args.labeler_base_url, api_key=self.api_key, max_retries=0)
         async with client:
-            return list(await asyncio.gather(*(self._label_one(client, r, semaphore, deadline) for r in requests)))
-
-    async def _complete(self, client: openai.AsyncOpenAI, messages: list[dict], semaphore: asyncio.Semaphore) -> str:
-        async with semaphore:  # held only while a request is in flight, never while backing off
-            response = await client.chat.completions.create(
-                model=self.args.labeler_model,
-                messages=messages,
-                temperature=0.0,
-                max_tokens=self.args.labeler_max_new_tokens,
-                timeout=self.args.labeler_timeout_s,
+            replies = await asyncio.gather(
+                *(self._label_one(client, r, semaphore, deadline, circuit) for r in requests)
             )
+        if circuit.open.is_set():
+            self.circuit_opened = True
+            print(
+                f"\n[labeller] WARNING: {args.labeler_circuit_failures} connection failures in a row to "
+                f"{args.labeler_base_url}: circuit open, {sum(r.text is None for r in replies)} of {len(replies)} "
+                "trajectories of this update get fallback labels; the next update tries again\n",
+                file=sys.stderr,
+            )
+        return list(replies)
+
+    async def _complete(
+        self, client: openai.AsyncOpenAI, messages: list[dict], semaphore: asyncio.Semaphore, circuit: CircuitBreaker
+    ) -> str:
+        async with semaphore:  # held only while a request is in flight, never while backing off
+            if circuit.open.is_set():  # it opened while this request waited for its turn
+                raise CircuitOpen
+            try:  # counted before the next request may start
+                response = await client.chat.completions.create(
+                    model=self.args.labeler_model,
+                    messages=messages,
+                    temperature=0.0,
+                    max_tokens=self.args.labeler_max_new_tokens,
+                    timeout=self.args.labeler_timeout_s,
+                )
+            except Exception as exc:
+                circuit.record(
+                    isinstance(exc, openai.APIConnectionError) and not isinstance(exc, openai.APITimeoutError)
+                )
+                raise
+            circuit.record(connection_failed=False)
         if not response.choices:
             raise ValueError("reply without choices")
         choice = response.choices[0]
@@ -1268,32 +1795,37 @@ class ApiLabeler:
         return choice.message.content or ""
 
     async def _label_one(
-        self, client, request: LabelRequest, semaphore: asyncio.Semaphore, deadline: float
+        self, client, request: LabelRequest, semaphore: asyncio.Semaphore, deadline: float, circuit: CircuitBreaker
     ) -> LabelReply:
         args, loop = self.args, asyncio.get_running_loop()
-        start, refusals, error, attempts = loop.time(), 0, None, 0
+        start, error, attempts = loop.time(), None, 0
         while attempts < args.labeler_max_attempts:
             remaining = deadline - loop.time()
+            if circuit.open.is_set():
+                break
             if remaining <= 0:
                 error = f"update deadline ({args.labeler_deadline_s} s) passed; last error: {error}"
                 break
             attempts += 1
             try:
-                text = await asyncio.wait_for(self._complete(client, request.messages, semaphore), timeout=remaining)
+                text = await asyncio.wait_for(
+                    self._complete(client, request.messages, semaphore, circuit), timeout=remaining
+                )
                 return LabelReply(text, None, loop.time() - start, attempts)
+            except CircuitOpen:
+                attempts -= 1  # never sent
+                break
             except TimeoutError:  # the update's deadline, not the per-request timeout (that is openai.APITimeoutError)
                 error = f"update deadline ({args.labeler_deadline_s} s) passed; last error: {error}"
                 break
             except Exception as exc:  # noqa: BLE001 - every failure is counted, none may crash training
                 error = f"{type(exc).__name__}: {exc}"
+                permanent = isinstance(exc, ContentRefusal) or (
+                    isinstance(exc, openai.APIStatusError) and exc.status_code in PERMANENT_HTTP_ERRORS
+                )
+                if permanent or attempts == args.labeler_max_attempts:
+                    break
                 message = str(exc).lower()
-                if isinstance(exc, ContentRefusal) or (
-                    isinstance(exc, openai.BadRequestError)
-                    and ("data_inspection_failed" in message or "inappropriate content" in message)
-                ):
-                    refusals += 1
-                    if refusals >= 2:
-                        break
                 if isinstance(exc, openai.RateLimitError) or "rate limit" in message or "429" in message:
                     wait = min(
                         args.labeler_rate_limit_backoff_s * 1.5 ** (attempts - 1), args.labeler_rate_limit_backoff_cap_s
@@ -1301,8 +1833,29 @@ class ApiLabeler:
                     wait *= 1.0 + 0.25 * random.random()
                 else:
                     wait = min(args.labeler_error_backoff_s * attempts, args.labeler_error_backoff_cap_s)
-                await asyncio.sleep(max(0.0, min(wait, deadline - loop.time())))
+                try:  # an opening circuit ends the wait at once
+                    await asyncio.wait_for(circuit.open.wait(), timeout=max(0.0, min(wait, deadline - loop.time())))
+                except TimeoutError:
+                    pass
+        if circuit.open.is_set():
+            error = f"circuit open ({args.labeler_circuit_failures} connection failures in a row); last error: {error}"
         return LabelReply(None, error, loop.time() - start, attempts)
+
+
+class CircuitOpen(Exception):
+    """The update's labelling stopped: too many connection failures in a row."""
+
+
+class CircuitBreaker:
+    """Counts connection failures in a row (any other outcome resets the count); `open` is set at the threshold."""
+
+    def __init__(self, threshold: int):
+        self.threshold, self.failures, self.open = threshold, 0, asyncio.Event()
+
+    def record(self, connection_failed: bool) -> None:
+        self.failures = self.failures + 1 if connection_failed else 0
+        if self.failures >= self.threshold:
+            self.open.set()
 
 
 class PolicyLabeler:
@@ -1330,7 +1883,7 @@ class PolicyLabeler:
 
 def label_trajectories(
     trajectories: Sequence[common.Trajectory],
-    overall_scores: Sequence[float],
+    outcome_advantages: Sequence[float],
     orm_scores: Sequence[float],
     labeler: Callable[[Sequence[LabelRequest]], list[LabelReply]],
     args: Args,
@@ -1340,24 +1893,26 @@ def label_trajectories(
 ) -> tuple[list[list[bool]], dict[str, float]]:
     """GOOD/BAD flags for every step of every trajectory, and the prm/* metrics.
 
-    A trajectory skipped by --skip-type, or whose request failed or whose reply did not parse,
-    gets uniform flags: all GOOD if its overall score is > 0, else all BAD."""
+    A trajectory skipped by --skip-type (its group outcome advantage is ~0, or it lost), or whose request failed
+    or whose reply did not parse, gets uniform flags: all GOOD if it won, else all BAD."""
     flags: list[list[bool] | None] = [None] * len(trajectories)
     requests, request_index, skipped = [], [], 0
-    for i, (traj, overall, orm) in enumerate(zip(trajectories, overall_scores, orm_scores)):
-        skip = (args.skip_type == "skip_small_adv" and abs(overall) < 1e-8) or (
+    for i, (traj, advantage, orm) in enumerate(zip(trajectories, outcome_advantages, orm_scores)):
+        skip = (args.skip_type == "skip_small_adv" and abs(advantage) < 1e-8) or (
             args.skip_type == "skip_all_neg" and orm <= 0
         )
         if skip or not traj.steps:
             skipped += bool(traj.steps)
             continue
-        messages = build_label_messages(traj.start.task, describe_steps(traj), overall, args.labeler_max_step_chars)
+        messages = build_label_messages(
+            traj.start.observation, describe_steps(traj), outcome_score(orm), args.labeler_max_step_chars
+        )
         requests.append(LabelRequest(f"u{update}-r{rank}-g{traj.group}-b{traj.branch}", messages, len(traj.steps)))
         request_index.append(i)
 
     replies = labeler(requests)
     failures = parse_failures = judged_steps = judged_good = 0
-    latencies = []
+    latencies, good_in_won, bad_in_lost = [], [], []
     for request, i, reply in zip(requests, request_index, replies):
         parsed = parse_judgments(reply.text, request.num_steps) if reply.text is not None else None
         failures += reply.text is None
@@ -1367,6 +1922,10 @@ def label_trajectories(
             flags[i] = parsed
             judged_steps += len(parsed)
             judged_good += sum(parsed)
+            if orm_scores[i] > 0:
+                good_in_won += parsed
+            else:
+                bad_in_lost += [not flag for flag in parsed]
         if log_file is not None:
             record = {
                 "update": update,
@@ -1383,7 +1942,7 @@ def label_trajectories(
                 f.write(json.dumps(record) + "\n")
     for i, traj in enumerate(trajectories):
         if flags[i] is None:
-            flags[i] = [overall_scores[i] > 0] * len(traj.steps)
+            flags[i] = [orm_scores[i] > 0] * len(traj.steps)
     latencies.sort()
     metrics = {
         "prm/label_requests": float(len(requests)),
@@ -1391,6 +1950,9 @@ def label_trajectories(
         "prm/parse_failures": float(parse_failures),
         "prm/skipped": float(skipped),
         "prm/good_rate": judged_good / judged_steps if judged_steps else 0.0,
+        "prm/pos_traj_good_rate": sum(good_in_won) / len(good_in_won) if good_in_won else 0.0,
+        "prm/neg_traj_bad_rate": sum(bad_in_lost) / len(bad_in_lost) if bad_in_lost else 0.0,
+        "prm/circuit_open": float(getattr(labeler, "circuit_opened", False)),
         "prm/latency_p50": _percentile(latencies, 0.50),
         "prm/latency_p95": _percentile(latencies, 0.95),
     }
@@ -1472,7 +2034,14 @@ def validate_args(args: Args) -> None:
             args.clip_eps_high is None or args.clip_eps_high > 0,
             f"--clip-eps-high must be > 0, got {args.clip_eps_high}",
         ),
+        (
+            args.dual_clip_c is None or args.dual_clip_c > 1,
+            f"--dual-clip-c must be > 1 (the loss cap is c * |A|), got {args.dual_clip_c}",
+        ),
         (args.kl_beta >= 0, f"--kl-beta must be >= 0, got {args.kl_beta}"),
+        (args.kl_loss_coef >= 0, f"--kl-loss-coef must be >= 0, got {args.kl_loss_coef}"),
+        (args.ppo_epochs >= 1, f"--ppo-epochs must be >= 1, got {args.ppo_epochs}"),
+        (args.mini_batches >= 1, f"--mini-batches must be >= 1, got {args.mini_batches}"),
         (args.alpha >= 0, f"--alpha must be >= 0, got {args.alpha}"),
         (
             args.alpha_schedule in ("constant", "cosine"),
@@ -1511,6 +2080,10 @@ def validate_args(args: Args) -> None:
         (args.labeler_deadline_s > 0, f"--labeler-deadline-s must be > 0, got {args.labeler_deadline_s}"),
         (args.labeler_max_attempts >= 1, f"--labeler-max-attempts must be >= 1, got {args.labeler_max_attempts}"),
         (
+            args.labeler_circuit_failures >= 1,
+            f"--labeler-circuit-failures must be >= 1, got {args.labeler_circuit_failures}",
+        ),
+        (
             min(
                 args.labeler_rate_limit_backoff_s,
                 args.labeler_rate_limit_backoff_cap_s,
@@ -1532,6 +2105,28 @@ def validate_args(args: Args) -> None:
 
 def needs_labels(args: Args) -> bool:
     return args.attribution and args.alpha > 0 and args.prm_steps > 0 and not args.eval_only
+
+
+def labelling_at(update: int, args: Args) -> bool:
+    """Whether update `update` (1-based) asks for labels: attribution on, alpha > 0 now, within --prm-steps."""
+    return needs_labels(args) and alpha_at(update - 1, args) > 0 and update <= args.prm_steps
+
+
+def decouple_settings(args: Args, update: int) -> dict:
+    """decouple_step_rewards' keyword arguments for update `update` (1-based)."""
+    return dict(
+        fix_base=args.fix_base,
+        alpha=alpha_at(update - 1, args),
+        orm_distribution=args.orm_distribution,
+        equal_trajectory_weight=args.equal_trajectory_weight,
+        length_normalization=args.length_normalization,
+    )
+
+
+def trained_decouple(args: Args, update: int) -> dict | None:
+    """The decouple settings that shape update `update`'s advantages, or None: plain multi-turn GRPO (no labels in
+    this update, or --prm-metrics-only), whatever the decouple flags say."""
+    return decouple_settings(args, update) if labelling_at(update, args) and not args.prm_metrics_only else None
 
 
 def labeler_backend(args: Args) -> str:
@@ -1557,17 +2152,25 @@ class Runtime:
     games: list[str]  # this process's shard of the training games, shuffled with the seed
     game_cursor: int = 0
     on_turn: Callable[[int, int], None] | None = None  # rollout progress (the logger's turn bar)
+    bad_games: int = 0  # games skipped since the last metrics row (rollout/bad_games_skipped)
 
     def fresh_state(self) -> common.SavedState:
-        """The next training game from its start (games cycle in their shuffled order)."""
-        game = self.games[self.game_cursor % len(self.games)]
-        self.game_cursor += 1
-        return common.fresh_state(game, self.protocol, seed=self.game_cursor)
+        """The next training game from its start (games cycle in their shuffled order). A game that passed the
+        start-up parse but does not load is skipped, named on stderr and counted: a bad game never ends the run."""
+        for _ in self.games:
+            game = self.games[self.game_cursor % len(self.games)]
+            self.game_cursor += 1
+            try:
+                return common.fresh_state(game, self.protocol, seed=self.game_cursor)
+            except common.BadGameError as error:
+                self.bad_games += 1
+                print(f"[games] WARNING: skipped a game that does not load: {error}", file=sys.stderr)
+        raise RuntimeError(f"none of this process's {len(self.games)} training games loads")
 
 
 def make_runtime(args: Args, accelerator) -> Runtime:
-    """Labeller (an api one checks its key, and gets this process's share of --labeler-concurrency), this process's
-    training games, then the model, samplers and label log."""
+    """Labeller (an api one checks its key and its endpoint, and gets this process's share of --labeler-concurrency),
+    this process's training games, then the model, samplers and label log."""
     api_labeler = None
     if needs_labels(args) and labeler_backend(args) == "api":
         rank, processes = accelerator.process_index, accelerator.num_processes
@@ -1579,6 +2182,7 @@ def make_runtime(args: Args, accelerator) -> Runtime:
         api_labeler = ApiLabeler(
             args, args.labeler_concurrency // processes + (rank < args.labeler_concurrency % processes)
         )
+        api_labeler.check_endpoint()
     label_log = None
     if args.labeler_log_dir:
         label_log = (
@@ -1624,6 +2228,57 @@ def rollout_metrics(trajectories: Sequence[common.Trajectory], groups: Sequence[
     }
 
 
+def policy_logprobs(rt: Runtime, datums: Sequence[Datum]) -> list[list[float]]:
+    return sequence_logprobs(
+        rt.model,
+        rt.accelerator,
+        [d.tokens for d in datums],
+        rt.args.temperature,
+        rt.tokenizer.pad_token_id,
+        rt.args.micro_batch_tokens,
+    )
+
+
+def ppo_update(rt: Runtime, datums: list[Datum]) -> dict:
+    """--ppo-epochs passes over the datums, each split at random into --mini-batches optimizer steps. With more than
+    one step the old logprobs are the policy's own before the first (as veRL recomputes them), else the sampler's.
+    Returns train_step's metrics averaged over the steps (tokens: per pass)."""
+    args = rt.args
+    steps = args.ppo_epochs * args.mini_batches
+    if steps > 1 and datums:
+        for datum, logprobs in zip(datums, policy_logprobs(rt, datums)):
+            datum.old_logprobs = logprobs
+    loss_fn = functools.partial(
+        policy_loss,
+        clip_eps=args.clip_eps,
+        clip_eps_high=args.clip_eps_high,
+        dual_clip_c=args.dual_clip_c,
+        kl_loss_coef=args.kl_loss_coef,
+    )
+    per_step = []
+    for _ in range(args.ppo_epochs):
+        order = random.sample(range(len(datums)), len(datums)) if args.mini_batches > 1 else range(len(datums))
+        for part in range(args.mini_batches):
+            per_step.append(
+                train_step(
+                    rt.model,
+                    rt.optimizer,
+                    rt.accelerator,
+                    [datums[i] for i in list(order)[part :: args.mini_batches]],
+                    loss_fn,
+                    temperature=args.temperature,
+                    pad_id=rt.tokenizer.pad_token_id,
+                    micro_batch_tokens=args.micro_batch_tokens,
+                    max_grad_norm=args.max_grad_norm,
+                )
+            )
+    merged = {key: math.fsum(m.get(key, 0.0) for m in per_step) / steps for key in per_step[0]}
+    merged["train/tokens"] = math.fsum(m["train/tokens"] for m in per_step) / args.ppo_epochs
+    merged["train/nonfinite_skipped"] = math.fsum(m["train/nonfinite_skipped"] for m in per_step)
+    merged["train/optimizer_steps"] = float(steps)
+    return merged
+
+
 def adca_update(rt: Runtime, update: int) -> tuple[dict, list[dict]]:
     args, t0 = rt.args, time.time()
     # ---- step 1: rollout. G games x N full episodes; ORM score = 1 if won else 0
@@ -1644,12 +2299,11 @@ def adca_update(rt: Runtime, update: int) -> tuple[dict, list[dict]]:
     orm_scores = [1.0 if traj.won else 0.0 for traj in trajectories]
     t_rollout = time.time()
 
-    # ---- step 2: outcome advantage per group (GRPO's advantage; the "overall score" the labeller sees)
+    # ---- step 2: outcome advantage per group (the decouple's z-score; ~0 marks a group skip_small_adv skips)
     outcome_advantages = group_outcome_advantages(orm_scores, group_ids)
 
     # ---- step 3: step labels (only while attribution is on, alpha > 0 and update <= --prm-steps)
-    alpha = alpha_at(update - 1, args)
-    labelling = rt.labeler is not None and alpha > 0 and update <= args.prm_steps
+    alpha, labelling = alpha_at(update - 1, args), labelling_at(update, args)
     metrics = {"prm/alpha": alpha if labelling else 0.0, "prm/labelling": float(labelling)}
     if labelling and rt.labeler is oracle_labeler:
         step_flags, label_metrics = oracle_labeler(trajectories, outcome_advantages, orm_scores, args)
@@ -1666,71 +2320,46 @@ def adca_update(rt: Runtime, update: int) -> tuple[dict, list[dict]]:
             rt.label_log,
         )
         metrics.update(label_metrics)
-    else:  # uniform flags as for a skipped trajectory; with alpha 0 below they do not count
-        step_flags = [[score > 0] * len(traj.steps) for traj, score in zip(trajectories, outcome_advantages)]
+    else:  # uniform flags as for a skipped trajectory; plain GRPO below does not read them
+        step_flags = [[score > 0] * len(traj.steps) for traj, score in zip(trajectories, orm_scores)]
     t_label = time.time()
 
-    # ---- step 4: decouple fusion -> suffix sums over steps -> token advantages (alpha 0: plain GRPO)
-    decouple = dict(
-        fix_base=args.fix_base,
-        alpha=alpha if labelling else 0.0,
-        orm_distribution=args.orm_distribution,
-        equal_trajectory_weight=args.equal_trajectory_weight,
-        length_normalization=args.length_normalization,
-    )
-    step_advantages = suffix_sum(decouple_step_rewards(orm_scores, step_flags, group_ids, **decouple))
+    # ---- step 4: step advantages -> token advantages. With labels: decouple fusion and suffix sums over steps
+    # (--prm-metrics-only: only logged); otherwise plain multi-turn GRPO
     if labelling:
-        metrics.update(decouple_health_metrics(orm_scores, step_flags, group_ids, **decouple))
+        metrics.update(decouple_health_metrics(orm_scores, step_flags, group_ids, **decouple_settings(args, update)))
+    advantages_per_step = step_advantages(orm_scores, step_flags, group_ids, trained_decouple(args, update))
     sequences = [traj.sequence() for traj in trajectories]
     width = max((len(tokens) for tokens, _, _ in sequences), default=0)
     step_ids = torch.tensor([ids + [-1] * (width - len(ids)) for _, _, ids in sequences], dtype=torch.long).view(
         len(sequences), width
     )
-    token_advantages = broadcast_to_tokens(step_advantages, step_ids).tolist()
+    token_advantages = broadcast_to_tokens(advantages_per_step, step_ids).tolist()
     datums = []
     for (tokens, old_logprobs, ids), advantages in zip(sequences, token_advantages):
         mask = [1.0 if k >= 0 else 0.0 for k in ids]
         datums.append(Datum(list(tokens), list(old_logprobs), advantages[: len(tokens)], mask))
-    if args.kl_beta > 0 and datums:
-        # KL to the base model as per-token shaping of the advantage: E[grad log p * (log p - log p_ref)] is the KL's gradient
+    metrics.update(refresh_old_logprobs(rt.model, rt.accelerator, datums, args, rt.tokenizer.pad_token_id))
+    if (args.kl_beta > 0 or args.kl_loss_coef > 0) and datums:
         policy = rt.accelerator.unwrap_model(rt.model)
         with policy.disable_adapter():
-            reference = sequence_logprobs(
-                rt.model,
-                rt.accelerator,
-                [d.tokens for d in datums],
-                args.temperature,
-                rt.tokenizer.pad_token_id,
-                args.micro_batch_tokens,
-            )
+            reference = policy_logprobs(rt, datums)
         log_ratios = []
         for datum, ref in zip(datums, reference):
+            datum.ref_logprobs = ref if args.kl_loss_coef > 0 else None
             for t, trained in enumerate(datum.mask):
                 if trained:
-                    log_ratio = datum.old_logprobs[t] - ref[t]
-                    datum.advantages[t] -= args.kl_beta * log_ratio
-                    log_ratios.append(log_ratio)
+                    log_ratios.append(datum.old_logprobs[t] - ref[t])
+                    # the KL as per-token shaping of the advantage: E[grad log p * (log p - log p_ref)] is its gradient
+                    datum.advantages[t] -= args.kl_beta * log_ratios[-1]
         metrics["train/kl"] = math.fsum(log_ratios) / max(1, len(log_ratios))
 
-    # ---- step 5: one PPO-clip step, token mean over the whole update
-    clip = (args.clip_eps, args.clip_eps if args.clip_eps_high is None else args.clip_eps_high)
-    metrics.update(
-        train_step(
-            rt.model,
-            rt.optimizer,
-            rt.accelerator,
-            datums,
-            temperature=args.temperature,
-            pad_id=rt.tokenizer.pad_token_id,
-            micro_batch_tokens=args.micro_batch_tokens,
-            max_grad_norm=args.max_grad_norm,
-            clip=clip,
-        )
-    )
+    # ---- step 5: PPO-clip, --ppo-epochs passes of --mini-batches optimizer steps each
+    metrics.update(ppo_update(rt, datums))
     t_update = time.time()
 
     metrics.update(rollout_metrics(trajectories, groups))
-    generated = [a for advantages in step_advantages for a in advantages]
+    generated = [a for advantages in advantages_per_step for a in advantages]
     metrics["train/step_advantage_abs_mean"] = math.fsum(abs(a) for a in generated) / max(1, len(generated))
     metrics.update(
         {"time/rollout": t_rollout - t0, "time/label": t_label - t_rollout, "time/update": t_update - t_label}
@@ -1743,7 +2372,7 @@ def adca_update(rt: Runtime, update: int) -> tuple[dict, list[dict]]:
             "stop_reason": traj.stop_reason,
             "outcome_advantage": outcome_advantages[i],
             "step_flags": step_flags[i],
-            "step_advantages": step_advantages[i],
+            "step_advantages": advantages_per_step[i],  # as trained
             "messages": traj.messages[len(traj.start.messages) :],
         }
         for i, traj in enumerate(trajectories[:2])
@@ -1755,6 +2384,7 @@ def adca_update(rt: Runtime, update: int) -> tuple[dict, list[dict]]:
 # Main: set-up, resume, updates, checkpoints, evaluation
 # =============================================================================================
 SUM_KEYS = (
+    "rollout/bad_games_skipped",
     "prm/label_requests",
     "prm/label_failures",
     "prm/parse_failures",
@@ -1764,15 +2394,30 @@ SUM_KEYS = (
     "rollout/groups_all_lost",
     "rollout/restore_failures",
 )
+# Flags that only extend a run, or change how the labeller is reached rather than who labels.
+RESUME_MAY_CHANGE = (
+    "num_updates",
+    "labeler_base_url",
+    "labeler_api_key_env",
+    "labeler_concurrency",
+    "labeler_timeout_s",
+    "labeler_deadline_s",
+    "labeler_max_attempts",
+    "labeler_circuit_failures",
+    "labeler_rate_limit_backoff_s",
+    "labeler_rate_limit_backoff_cap_s",
+    "labeler_error_backoff_s",
+    "labeler_error_backoff_cap_s",
+    "labeler_log_dir",
+)
 POSTFIX_KEYS = ("rollout/success_rate", "prm/good_rate", "prm/label_failures", "train/loss")
 
 
 def main(args: Args) -> Path:
     """Train (or evaluate, with --eval-only); returns the run directory."""
-    validate_args(args)
     accelerator = make_accelerator()
     try:
-        checkpoint, trainer_state = check_start(args, ALGORITHM, accelerator)
+        args, checkpoint, trainer_state = start(args, ALGORITHM, accelerator, validate_args, RESUME_MAY_CHANGE)
         return _run(args, accelerator, checkpoint, trainer_state)
     finally:
         close_distributed()
@@ -1780,7 +2425,8 @@ def main(args: Args) -> Path:
 
 def _run(args: Args, accelerator, checkpoint: Path | None, trainer_state: dict | None) -> Path:
     seed_everything(args.seed + accelerator.process_index)
-    rt = make_runtime(args, accelerator)
+    with starting():  # labeller and sampler endpoint checks
+        rt = make_runtime(args, accelerator)
     eval_kwargs = dict(
         data_root=rt.data_root,
         task_types=args.task_types,
@@ -1811,6 +2457,7 @@ def _run(args: Args, accelerator, checkpoint: Path | None, trainer_state: dict |
     labeler_name = labeler_backend(args) if rt.labeler is not None else "none"
     for update in range(done + 1, args.num_updates + 1):
         metrics, samples = adca_update(rt, update)
+        metrics["rollout/bad_games_skipped"], rt.bad_games = float(rt.bad_games), 0
         metrics = reduce_metrics(accelerator, metrics, SUM_KEYS)
         last = update == args.num_updates
         if args.eval_every and args.eval_games and (last or update % args.eval_every == 0):
@@ -1832,4 +2479,4 @@ def _run(args: Args, accelerator, checkpoint: Path | None, trainer_state: dict |
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    cli(Args, main)

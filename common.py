@@ -8,9 +8,11 @@ multi-turn rollout driver, and the tiny offline model used by tests and smoke ru
 from __future__ import annotations
 
 import ast
+import contextlib
 import ctypes
 import dataclasses
 import functools
+import io
 import json
 import os
 import random
@@ -89,10 +91,9 @@ def discover_games(
         traj_file = game_file.parent / "traj_data.json"
         if not traj_file.is_file():
             continue
-        task_type = json.loads(traj_file.read_text())["task_type"]
-        if task_type not in wanted:
+        if load_task_type(game_file) not in wanted:
             continue
-        if not json.loads(game_file.read_text()).get("solvable", False):
+        if not read_game_json(game_file).get("solvable", False):
             continue
         games.append(str(game_file))
     if not games:
@@ -105,13 +106,72 @@ def discover_games(
     return games
 
 
+def eval_subset(data_root: str | Path, split: str, task_types: Sequence[str] | None, n: int) -> list[str]:
+    """The n evaluation games of a split: the same in every run and script (a fixed seed, not the run's), every task
+    type covered (n permitting) and in proportion: each type's games shuffled, then the i-th game of a type with
+    m games ranked at i / m."""
+    rng, by_type = random.Random(0), defaultdict(list)
+    for game_file in discover_games(data_root, split, task_types):
+        by_type[load_task_type(game_file)].append(game_file)
+    types = sorted(by_type)
+    rng.shuffle(types)  # who goes first among equal ranks
+    ranked = []
+    for order, task_type in enumerate(types):
+        games = by_type[task_type]
+        rng.shuffle(games)
+        ranked += [(i / len(games), order, game) for i, game in enumerate(games)]
+    return [game for *_, game in sorted(ranked)[:n]]
+
+
+class BadGameError(ValueError):
+    """A game file (or its traj_data.json) that cannot be read, parsed or loaded; the message names the file."""
+
+
+def read_game_json(path: str | Path) -> dict:
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as error:
+        raise BadGameError(f"{path}: unreadable ({type(error).__name__}: {error})") from error
+    if not isinstance(data, dict):
+        raise BadGameError(f"{path}: expected a JSON object")
+    return data
+
+
+def check_games(game_files: Sequence[str | Path]) -> None:
+    """Read and parse every game (JSON, task type, PDDL domain and problem: ~2 ms a game) so that a bad one fails
+    at start, named; translating (0.4 s a game) waits for the game's first use."""
+    argv = sys.argv  # importing the translator parses sys.argv
+    try:
+        sys.argv = ["translate.py", "domain", "task"]
+        from fast_downward.translate.pddl_parser import lisp_parser, parsing_functions
+    finally:
+        sys.argv = argv
+    for game_file in game_files:
+        load_task_type(game_file)
+        data = read_game_json(game_file)
+        missing = [key for key in ("pddl_domain", "pddl_problem", "grammar") if not isinstance(data.get(key), str)]
+        if missing:
+            raise BadGameError(f"{game_file}: bad game (no {', '.join(missing)})")
+        try:
+            domain = lisp_parser.parse_nested_list(data["pddl_domain"].split("\n"))
+            problem = lisp_parser.parse_nested_list(data["pddl_problem"].split("\n"))
+            with contextlib.redirect_stdout(io.StringIO()):
+                parsing_functions.parse_task(domain, problem)
+        except Exception as error:  # the parser raises bare exceptions of many kinds
+            raise BadGameError(f"{game_file}: bad game ({type(error).__name__}: {error})") from error
+
+
 def load_walkthrough(game_file: str | Path) -> list[str]:
     """The expert actions stored in the game file: privileged information, never shown to the actor."""
-    return list(json.loads(Path(game_file).read_text()).get("walkthrough") or [])
+    return list(read_game_json(game_file).get("walkthrough") or [])
 
 
 def load_task_type(game_file: str | Path) -> str:
-    return json.loads((Path(game_file).parent / "traj_data.json").read_text())["task_type"]
+    traj_file = Path(game_file).parent / "traj_data.json"
+    task_type = read_game_json(traj_file).get("task_type")
+    if not isinstance(task_type, str):
+        raise BadGameError(f"{traj_file}: no task_type")
+    return task_type
 
 
 # =============================================================================================
@@ -446,14 +506,16 @@ DEFAULT_GAMES, DEFAULT_GAMES_SEED = 240, 0
 
 
 def default_data_root(
-    n: int = DEFAULT_GAMES, seed: int = DEFAULT_GAMES_SEED, cache_dir: str | Path = DEFAULT_CACHE_DIR
+    n: int = DEFAULT_GAMES, seed: int = DEFAULT_GAMES_SEED, cache_dir: str | Path | None = None
 ) -> Path:
-    """The generated offline game set: made once into the cache (a few minutes), reused after."""
-    root = Path(cache_dir) / f"offline-games-n{n}-seed{seed}"
+    """The generated offline game set: made once into the cache (a few minutes, with a progress bar), reused after."""
+    from tqdm import tqdm
+
+    root = Path(cache_dir or DEFAULT_CACHE_DIR) / f"offline-games-n{n}-seed{seed}"
     if not (root / "json_2.1.1").is_dir():
-        print(f"[common] generating {n} offline ALFWorld games into {root} (once)", file=sys.stderr)
         tmp = root.with_name(f"{root.name}.tmp{os.getpid()}")
-        make_games(tmp, n, seed, log=lambda *a: None)
+        with tqdm(total=n, desc=f"generating offline games into {root} (once)", unit="game", file=sys.stderr) as bar:
+            make_games(tmp, n, seed, log=lambda line: bar.update(line.startswith("game ")))
         try:
             os.replace(tmp, root)  # atomic; a concurrent generator wrote the same bytes
         except OSError:
@@ -538,7 +600,7 @@ class _Game:
 
     def __init__(self, game_file: str):
         self.game_file = game_file
-        data = json.loads(Path(game_file).read_text())
+        data = read_game_json(game_file)
         self.walkthrough = list(data.get("walkthrough") or [])
         self.logic = pddl_logic.GameLogic(domain=data["pddl_domain"], grammar=data["grammar"])
         self.rules = dict(self.logic.grammar._rules)
@@ -646,7 +708,12 @@ def _load_game(game_file: str, mtime_ns: int) -> _Game:
 def load_game(game_file: str | Path) -> _Game:
     """Parsed and translated game, cached per process (keyed by path and modification time)."""
     game_file = str(game_file)
-    return _load_game(game_file, os.stat(game_file).st_mtime_ns)
+    try:
+        return _load_game(game_file, os.stat(game_file).st_mtime_ns)
+    except (BadGameError, UnsafeGrammarError):
+        raise
+    except Exception as error:  # parser and translator errors come in many kinds; say which game
+        raise BadGameError(f"{game_file}: cannot load the game ({type(error).__name__}: {error})") from error
 
 
 _FREE_PLANNER_LIBRARIES: list = []

@@ -1,11 +1,14 @@
 """Turn run directories into PNGs: the comparison figure (a metric vs update and vs generated tokens,
 one line per experiment, mean +/- std across seeds) and TEMPO's critic panel.
 
-    python plot.py runs/tempo__1__* runs/grpo__1__* --out plots/     (needs the `plot` extra: matplotlib)
+    python plot.py runs/tempo__* runs/grpo__* --out plots/     (needs the `plot` extra: matplotlib)
+
+--eval-only run dirs (one evaluation of another run's checkpoint) are left out: they are not seeds.
 """
 
 import dataclasses
 import json
+import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -32,13 +35,14 @@ class Args:
     """metrics of the comparison figure"""
 
 
-def load_run(run_dir: Path) -> tuple[str, list[dict]]:
+def load_run(run_dir: Path) -> tuple[str, list[dict], bool]:
+    """(exp_name, metrics rows, whether it is an --eval-only run)."""
     config_file, metrics_file = run_dir / "config.json", run_dir / "metrics.jsonl"
     if not config_file.is_file() or not metrics_file.is_file():
         raise FileNotFoundError(f"{run_dir} is not a run directory (needs config.json and metrics.jsonl)")
     config = json.loads(config_file.read_text())
     rows = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
-    return config.get("exp_name", run_dir.name.split("__")[0]), rows
+    return config.get("exp_name", run_dir.name.split("__")[0]), rows, bool(config.get("eval_only"))
 
 
 def series(rows: list[dict], metric: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -66,6 +70,7 @@ def plot_metrics(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    colours = {name: f"C{i % 10}" for i, name in enumerate(sorted(runs))}  # one colour per experiment, every panel
     figure, axes = plt.subplots(len(metrics), len(x_axes), figsize=(6 * len(x_axes), 3.5 * len(metrics)), squeeze=False)
     for row, metric in enumerate(metrics):
         for col, x_axis in enumerate(x_axes):
@@ -79,8 +84,9 @@ def plot_metrics(
                 if not curves:
                     continue
                 xs, mean, std = mean_std(curves)
-                ax.plot(xs, mean, label=f"{name} (n={len(curves)})")
-                ax.fill_between(xs, mean - std, mean + std, alpha=0.2)
+                marker = "o" if len(xs) <= 30 else None  # a single evaluation is a point, not a line
+                ax.plot(xs, mean, marker=marker, markersize=4, color=colours[name], label=f"{name} (n={len(curves)})")
+                ax.fill_between(xs, mean - std, mean + std, alpha=0.2, color=colours[name])
             ax.set_xlabel("update" if x_axis == "update" else "generated tokens")
             ax.set_ylabel(metric)
             ax.grid(alpha=0.3)
@@ -89,18 +95,36 @@ def plot_metrics(
     figure.tight_layout()
     figure.savefig(out_file, dpi=120)
     plt.close(figure)
-    return out_file
+    return figure
 
 
 def main(args: Args) -> list[Path]:
+    """Writes the PNGs and returns their paths; exits non-zero with a message when there is nothing to plot."""
     runs: dict[str, list[list[dict]]] = defaultdict(list)
     for run_dir in args.runs:
-        name, rows = load_run(Path(run_dir))
-        runs[name].append(rows)
+        try:
+            name, rows, eval_only = load_run(Path(run_dir))
+        except FileNotFoundError as error:
+            sys.exit(f"error: {error}")
+        if eval_only:
+            print(
+                f"skipped {run_dir}: an --eval-only run (one evaluation of a checkpoint), not a seed", file=sys.stderr
+            )
+        else:
+            runs[name].append(rows)
+    if not runs:
+        sys.exit(f"error: no training runs among {[str(r) for r in args.runs]}")
+    logged = {key for seeds in runs.values() for rows in seeds for row in rows for key in row}
+    if unknown := [m for m in args.metrics if m not in logged]:
+        sys.exit(f"error: --metrics {unknown} logged by none of the runs; they log e.g. {sorted(logged)[:20]}")
     args.out.mkdir(parents=True, exist_ok=True)
-    written = [plot_metrics(runs, args.metrics, args.out / "comparison.png")]
-    if any(CRITIC_PANEL[0] in row for seeds in runs.values() for rows in seeds for row in rows):
-        written.append(plot_metrics(runs, CRITIC_PANEL, args.out / "critic.png", x_axes=("update",)))
+    plot_metrics(runs, args.metrics, args.out / "comparison.png")
+    written = [args.out / "comparison.png"]
+    if critic := tuple(m for m in CRITIC_PANEL if m in logged):
+        plot_metrics(runs, critic, args.out / "critic.png", x_axes=("update",))
+        written.append(args.out / "critic.png")
+    else:
+        print("critic.png skipped: no run logged critic metrics (TEMPO runs do)", file=sys.stderr)
     for path in written:
         print(path)
     return written

@@ -1,8 +1,8 @@
 """TEMPO: macro-step policy optimization for long-horizon LLM agents in ALFWorld (CleanRL style, one file).
 
 One LoRA policy plays two roles. As the ACTOR it plays the game through tool calls. As the CRITIC it reads
-the task, a condensed history and the game's walkthrough (privileged: never in actor prompts) and answers
-with `<value>p</value>`, the chance that the agent still wins. An episode of T turns is cut into macro steps
+the task, the actor's replies so far with the game's answers, and the game's walkthrough (privileged: never in
+actor prompts), and answers with `<value>p</value>`, the chance that the agent still wins. An episode of T turns is cut into macro steps
 of H turns. Each update restores saved mid-episode states, runs N branches for one macro step, values the
 branches' endpoints with the critic (TD bootstrap), gives every branch the advantage R_n - mean(R) with
 R_n = segment reward + V(endpoint), trains the critic towards mean(R) from the start state, and puts the
@@ -17,7 +17,10 @@ Phase 2 (TD loop) trains actor and critic together, in one forward/backward and 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -101,19 +104,21 @@ class Args:
     state_store_capacity: int = 256
     """FIFO capacity of the store of macro-boundary states"""
     r_max: float = 1.0
-    """return range used to normalise the critic reward -|V - G| / r_max"""
+    """normaliser of the critic reward -|V - G| / r_max (a parse failure counts as the largest error, 1)"""
     ppo_clip: tuple[float, float] | None = None
     """(eps_low, eps_high): PPO-clip the ratio; None = plain importance-sampling policy gradient (Tinker style)"""
     prefix_is_correction: bool = False
     """weight a stored state's actor advantages by p_now(prefix) / p_old(prefix)"""
     prefix_is_max_weight: float = 2.0
-    """ceiling of the prefix importance weight"""
+    """bound of the prefix importance weight: it is clipped to [1 / max, max]"""
     max_trajectory_tokens: int = 24576
     """token budget of one episode's prompt (a branch stops before overflowing it)"""
     max_turn_tokens: int = 512
     """new tokens per actor turn"""
     max_critic_tokens: int = 512
-    """new tokens per critic reply"""
+    """new tokens per critic reply (a critic prompt longer than --max-trajectory-tokens minus this is skipped)"""
+    critic_step_chars: int = 1000
+    """characters of each actor reply's reasoning shown to the critic (cut in the middle; the action is always shown)"""
     # ---- runs (shared with adca_grpo.py) ----
     exp_name: str = "tempo"
     """run name prefix: runs/{exp_name}__{seed}__{time}"""
@@ -130,9 +135,28 @@ class Args:
     eval_games: int = 20
     """games per evaluation split (valid_seen, valid_unseen)"""
     resume: str = ""
-    """"" = new run, "auto" = newest checkpoint of the latest run named exp_name, or a checkpoint/run path"""
+    """"" = new run, "auto" = newest checkpoint of the latest run named exp_name with this seed, or a checkpoint/run
+    path; flags that change what the run is must equal its config.json"""
     eval_only: str = ""
-    """evaluate a checkpoint (its dir, a run dir = its newest, or "auto") into a new run dir's metrics.jsonl, and exit"""
+    """evaluate a checkpoint (its dir, a run dir = its newest, or "auto") into a new run dir's metrics.jsonl, and exit;
+    every flag left at its default takes the run's value"""
+    threads: int = 0
+    """torch CPU threads per process (0 = OMP_NUM_THREADS if set, else the cores / the processes on this machine)"""
+    # ---- sampler (shared with adca_grpo.py) ----
+    sampler: Literal["generate", "vllm"] = "generate"
+    """generate: model.generate() in the training process; vllm: a vLLM server you start (README: Sampling through vLLM)"""
+    sampler_url: str = ""
+    """with --sampler vllm: the server's OpenAI API root, e.g. http://localhost:8000/v1"""
+    sampler_adapter_dir: str = ""
+    """where the adapter is saved for the server to load after each update ("" = {output_dir}/sampler_adapters)"""
+    sampler_concurrency: int = 64
+    """completion requests in flight per process"""
+    sampler_timeout_s: float = 600.0
+    """one completion request's timeout (it is retried after that)"""
+    sampler_deadline_s: float = 1800.0
+    """one turn's burst of requests, retries included, must finish by then or the update fails"""
+    recompute_logprobs: bool = True
+    """with --sampler vllm: the loss's old logprobs come from a trainer forward pass, not from the server"""
 
 
 # ===== model side: identical in tempo.py and adca_grpo.py =====
@@ -175,8 +199,29 @@ def validate_model_args(args) -> None:
         (args.save_every >= 0, f"--save-every must be >= 0, got {args.save_every}"),
         (args.eval_every >= 0, f"--eval-every must be >= 0, got {args.eval_every}"),
         (args.eval_games >= 0, f"--eval-games must be >= 0, got {args.eval_games}"),
+        (args.threads >= 0, f"--threads must be >= 0, got {args.threads}"),
         (not (args.resume and args.eval_only), "--resume and --eval-only cannot be combined"),
         (not args.eval_only or args.eval_games >= 1, "--eval-only needs --eval-games >= 1"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ValueError(message)
+    validate_sampler_args(args)
+
+
+def validate_sampler_args(args) -> None:
+    checks = [
+        (
+            args.sampler == "generate" or args.sampler_url.startswith(("http://", "https://")),
+            f"--sampler vllm needs --sampler-url http://HOST:PORT/v1, got {args.sampler_url!r}",
+        ),
+        (
+            args.sampler == "vllm" or not args.sampler_url,
+            "--sampler-url is only used with --sampler vllm (the default sampler is generate)",
+        ),
+        (args.sampler_concurrency >= 1, f"--sampler-concurrency must be >= 1, got {args.sampler_concurrency}"),
+        (args.sampler_timeout_s > 0, f"--sampler-timeout-s must be > 0, got {args.sampler_timeout_s}"),
+        (args.sampler_deadline_s > 0, f"--sampler-deadline-s must be > 0, got {args.sampler_deadline_s}"),
     ]
     for ok, message in checks:
         if not ok:
@@ -195,7 +240,30 @@ def make_accelerator():
             f"accelerate config: {accelerator.distributed_type} is not supported; launch with DDP "
             "(accelerate launch --multi_gpu), see the README"
         )
+    if os.environ.get("MASTER_PORT") and accelerator.num_processes == 1:  # `accelerate launch --num_processes N`
+        print(
+            "[start] WARNING: launched for several processes but running ONE: on CPU, accelerate needs "
+            "`accelerate launch --multi_gpu --num_processes N ...` (see the README)",
+            file=sys.stderr,
+        )
     return accelerator
+
+
+def set_threads(args, local_processes: int) -> int:
+    """torch's CPU threads: --threads, else OMP_NUM_THREADS when set, else the cores shared by the local processes.
+    Warns when the machine is already busy: threads fighting over cores made runs 20x slower."""
+    cores = len(os.sched_getaffinity(0))
+    threads = args.threads or int(os.environ.get("OMP_NUM_THREADS") or 0) or max(1, cores // local_processes)
+    torch.set_num_threads(threads)
+    load = os.getloadavg()[0]
+    if load + threads * local_processes > cores + 0.5:
+        print(
+            f"[start] WARNING: load average {load:.1f} on {cores} cores before this run's "
+            f"{local_processes} x {threads} thread(s): oversubscribed, expect a large slowdown"
+            + (" (try --threads 1)" if threads > 1 else ""),
+            file=sys.stderr,
+        )
+    return threads
 
 
 def require_writable_dir(path, flag: str) -> Path:
@@ -229,13 +297,11 @@ def check_model(model: str) -> None:
 
 def training_games(args, accelerator) -> tuple[str, list[str]]:
     """(data root, this process's shard of the training games, shuffled with the seed); fails naming --data-root."""
-    with accelerator.main_process_first():  # the offline game set is generated once, not once per process
-        data_root = args.data_root or str(common.default_data_root())
     try:
-        games = common.discover_games(data_root, args.split, args.task_types, seed=args.seed)
+        games = common.discover_games(args.data_root, args.split, args.task_types, seed=args.seed)
     except FileNotFoundError as error:
-        raise ValueError(f"--data-root {data_root}: {error}") from error
-    return data_root, games[accelerator.process_index :: accelerator.num_processes] or games
+        raise ValueError(f"--data-root {args.data_root}: {error}") from error
+    return args.data_root, games[accelerator.process_index :: accelerator.num_processes] or games
 
 
 def seed_everything(seed: int) -> None:
@@ -296,8 +362,12 @@ class SampledTokenLogprobs:
 
 def make_sampler(model, tokenizer, accelerator, args, greedy: bool = False) -> common.SampleFn:
     """common.SampleFn over generate(): left-padded chunks of sample_batch_size prompts. A token's logprob is
-    log_softmax(raw logits / temperature), which equals a teacher-forced pass at that temperature."""
+    log_softmax(raw logits / temperature), which equals a teacher-forced pass at that temperature.
+    With --sampler vllm the samples come from the server instead (ServerSampler)."""
     from transformers import LogitsProcessorList
+
+    if args.sampler == "vllm":
+        return ServerSampler(model, tokenizer, accelerator, args, greedy)
 
     pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
 
@@ -338,6 +408,190 @@ def make_sampler(model, tokenizer, accelerator, args, greedy: bool = False) -> c
         return completions
 
     return sample
+
+
+class ServerSampler:
+    """common.SampleFn through a vLLM server's OpenAI API, as vLLM 0.20 serves it (vllm/entrypoints/openai:
+    /v1/models, /v1/completions, /v1/load_lora_adapter, /v1/unload_lora_adapter). Prompts go as token ids and the
+    sampled ids come back with their logprobs (return_tokens_as_token_ids), so nothing is re-tokenised. The server
+    samples with the current adapter, named after its weights: whenever the LoRA parameters have changed (an
+    optimizer step, a resumed checkpoint) the main process saves them and loads them under the new name, unloading
+    the previous one; the other processes wait until the server lists the new name."""
+
+    def __init__(self, model, tokenizer, accelerator, args, greedy: bool = False):
+        self.model, self.tokenizer, self.accelerator, self.args = model, tokenizer, accelerator, args
+        self.url, self.greedy = args.sampler_url.rstrip("/"), greedy
+        self.adapter_dir = Path(args.sampler_adapter_dir or Path(args.output_dir) / "sampler_adapters").resolve()
+        self.adapter_name, self.weights_version = None, None
+        served = self._served_models()
+        bases = {name for card in served if card.get("parent") is None for name in (card["id"], card.get("root"))}
+        if not {args.model, common.resolve_model(args.model)} & bases:  # tiny: served by its path
+            raise ValueError(
+                f"--model {args.model}, but the server at --sampler-url {self.url} serves "
+                f"{sorted(c['id'] for c in served)}: start `vllm serve {args.model}` there"
+            )
+        self.sync_adapter()  # the first load proves that runtime LoRA loading works and that the rank fits
+
+    def _control(self, method: str, path: str, body: dict | None = None):
+        import httpx
+
+        try:
+            return httpx.request(method, self.url + path, json=body, timeout=self.args.sampler_timeout_s)
+        except httpx.HTTPError as error:
+            raise ValueError(
+                f"--sampler-url {self.url}: no server answers {method} {path} ({type(error).__name__}: {error}); "
+                "start vLLM first (README: Sampling through vLLM)"
+            ) from error
+
+    def _served_models(self) -> list[dict]:
+        response = self._control("GET", "/models")
+        if response.status_code != 200:
+            raise ValueError(
+                f"--sampler-url {self.url}: GET /models answered {response.status_code} "
+                f"({error_message(response)}); the URL must be the OpenAI API root, ending in /v1"
+            )
+        return response.json()["data"]
+
+    def sync_adapter(self) -> None:
+        """Make the server's copy of the adapter the current one, if the LoRA parameters changed in place since
+        the last call (torch counts in-place writes per tensor: optimizer steps, checkpoint loads)."""
+        from peft import get_peft_model_state_dict
+
+        policy = self.accelerator.unwrap_model(self.model)
+        version = sum(p._version for p in policy.parameters() if p.requires_grad)
+        if version == self.weights_version:
+            return
+        digest = adapter_sha256(get_peft_model_state_dict(policy))
+        name = f"{self.args.exp_name}-{self.args.lora_alpha}-{digest[:16]}"
+        if self.accelerator.is_main_process:
+            if name not in {card["id"] for card in self._served_models()}:
+                policy.save_pretrained(str(self.adapter_dir / name))
+                self._load_adapter(name)
+            if self.adapter_name not in (None, name):
+                self._control("POST", "/unload_lora_adapter", {"lora_name": self.adapter_name})  # 404: already gone
+                shutil.rmtree(self.adapter_dir / self.adapter_name, ignore_errors=True)
+        else:
+            self._wait_until_served(name)
+        self.adapter_name, self.weights_version = name, version
+
+    def _load_adapter(self, name: str) -> None:
+        path = self.adapter_dir / name
+        response = self._control("POST", "/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
+        if response.status_code == 200:
+            return
+        message = error_message(response)
+        if response.status_code == 404 and '"error"' not in response.text:  # FastAPI's own 404: no such route
+            problem = (
+                "the server does not allow runtime LoRA loading: start it with VLLM_ALLOW_RUNTIME_LORA_UPDATING=true"
+            )
+        elif "max_lora_rank" in message:
+            problem = (
+                f"--lora-rank {self.args.lora_rank} is above the server's --max-lora-rank; "
+                f"restart vllm serve with --max-lora-rank >= {self.args.lora_rank}"
+            )
+        elif "not enabled" in message.lower():
+            problem = "the server was started without LoRA: start vllm serve with --enable-lora"
+        elif response.status_code == 404:
+            problem = f"the server cannot read {path}: --sampler-adapter-dir must be a directory the server sees"
+        else:
+            problem = "loading the adapter failed"
+        raise ValueError(
+            f"--sampler-url {self.url}: {problem} (POST /load_lora_adapter: {response.status_code} {message})"
+        )
+
+    def _wait_until_served(self, name: str) -> None:
+        deadline = time.monotonic() + self.args.sampler_deadline_s
+        while name not in {card["id"] for card in self._served_models()}:
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"--sampler-url {self.url}: the main process did not load adapter {name} within "
+                    f"--sampler-deadline-s {self.args.sampler_deadline_s} s"
+                )
+            time.sleep(0.5)
+
+    def __call__(self, prompts: list[list[int]], max_new_tokens: int) -> list[common.Completion]:
+        self.sync_adapter()
+        return asyncio.run(self._complete_all(prompts, max_new_tokens)) if prompts else []
+
+    async def _complete_all(self, prompts: list[list[int]], max_new_tokens: int) -> list[common.Completion]:
+        import httpx
+
+        args = self.args
+        deadline = asyncio.get_running_loop().time() + args.sampler_deadline_s
+        semaphore = asyncio.Semaphore(args.sampler_concurrency)
+        limits = httpx.Limits(max_connections=args.sampler_concurrency)
+        async with httpx.AsyncClient(base_url=self.url, timeout=args.sampler_timeout_s, limits=limits) as client:
+            return list(
+                await asyncio.gather(*(self._complete(client, p, max_new_tokens, semaphore, deadline) for p in prompts))
+            )
+
+    async def _complete(self, client, prompt: list[int], max_new_tokens: int, semaphore, deadline: float):
+        """One prompt: server errors, timeouts and lost connections are retried with exponential backoff until
+        the deadline; a request the server refuses (4xx) fails at once."""
+        import httpx
+
+        args, loop = self.args, asyncio.get_running_loop()
+        body = {  # every sampling field is sent: the server's defaults come from the model's generation_config
+            "model": self.adapter_name,
+            "prompt": list(prompt),
+            "max_tokens": max_new_tokens,
+            "temperature": 0.0 if self.greedy else args.temperature,
+            "top_p": 1.0 if self.greedy else args.top_p,
+            "top_k": -1,
+            "min_p": 0.0,
+            "repetition_penalty": 1.0,
+            "presence_penalty": 0.0,
+            "frequency_penalty": 0.0,
+            "logprobs": 0,
+            "return_tokens_as_token_ids": True,
+            "stop_token_ids": [self.tokenizer.eos_token_id],
+        }
+        attempts, error = 0, None
+        while (remaining := deadline - loop.time()) > 0:
+            attempts += 1
+            try:
+                async with semaphore:
+                    response = await asyncio.wait_for(client.post("/completions", json=body), timeout=remaining)
+            except (httpx.HTTPError, asyncio.TimeoutError) as exc:
+                error = f"{type(exc).__name__}: {exc}"
+            else:
+                if response.status_code == 200:
+                    return self._completion(response.json())
+                error = f"{response.status_code} {error_message(response)}"
+                if response.status_code < 500 and response.status_code not in (408, 429):
+                    raise RuntimeError(f"--sampler-url {self.url}: the server refused a completion request ({error})")
+            await asyncio.sleep(min(0.5 * 2 ** (attempts - 1), 15.0, max(0.0, deadline - loop.time())))
+        raise RuntimeError(
+            f"--sampler-url {self.url}: a completion was not answered within --sampler-deadline-s "
+            f"{args.sampler_deadline_s} s ({attempts} attempts); last error: {error}"
+        )
+
+    def _completion(self, payload: dict) -> common.Completion:
+        logprobs = payload["choices"][0].get("logprobs") or {}
+        names, values = logprobs.get("tokens") or [], logprobs.get("token_logprobs") or []
+        if len(names) != len(values) or None in values or not all(str(n).startswith("token_id:") for n in names):
+            raise RuntimeError(
+                f"--sampler-url {self.url}: the completion came back without token ids and logprobs "
+                "(return_tokens_as_token_ids, logprobs); is it a vLLM server?"
+            )
+        tokens = [int(n.removeprefix("token_id:")) for n in names]
+        end = tokens.index(self.tokenizer.eos_token_id) + 1 if self.tokenizer.eos_token_id in tokens else len(tokens)
+        text = self.tokenizer.decode(tokens[:end], skip_special_tokens=True)
+        return common.Completion(tokens[:end], [float(x) for x in values[:end]], text)
+
+
+def error_message(response) -> str:
+    """The message of an error response: vLLM's {"error": {"message"}} (older: {"message"}), FastAPI's {"detail"}."""
+    try:
+        body = response.json()
+    except ValueError:
+        body = None
+    if isinstance(body, dict):
+        error = body.get("error")
+        message = error.get("message") if isinstance(error, dict) else body.get("message") or body.get("detail")
+        if message:
+            return str(message)
+    return response.text[:500]
 
 
 def token_budget_batches(lengths: Sequence[int], micro_batch_tokens: int) -> list[list[int]]:
@@ -387,21 +641,47 @@ def sequence_logprobs(
     return result
 
 
+def refresh_old_logprobs(model, accelerator, datums: list[Datum], args, pad_id: int) -> dict:
+    """With --sampler vllm and --recompute-logprobs: the datums' old logprobs become the trainer's own (the
+    server's kernels and precision differ), and the drift |server - trainer| over the trained tokens is reported."""
+    if args.sampler != "vllm" or not args.recompute_logprobs or not datums:
+        return {}
+    trainer = sequence_logprobs(
+        model, accelerator, [d.tokens for d in datums], args.temperature, pad_id, args.micro_batch_tokens
+    )
+    drift = []
+    for datum, fresh in zip(datums, trainer):
+        drift += [abs(old - new) for old, new, m in zip(datum.old_logprobs, fresh, datum.mask) if m]
+        datum.old_logprobs = fresh
+    return {
+        "rollout/logprob_drift_mean": math.fsum(drift) / max(1, len(drift)),
+        "rollout/logprob_drift_max": max(drift, default=0.0),
+    }
+
+
 @dataclass
 class Datum:
-    """One training sequence: per token the old (sampling) logprob, the advantage and whether it is trained."""
+    """One training sequence: per token the old (sampling) logprob, the advantage and whether it is trained;
+    ref_logprobs (the base model's, for a KL loss term) when the loss needs them."""
 
     tokens: list[int]
     old_logprobs: list[float]
     advantages: list[float]
     mask: list[float]
+    ref_logprobs: list[float] | None = None
 
     def __post_init__(self):
         n = len(self.tokens)
         if not (len(self.old_logprobs) == len(self.advantages) == len(self.mask) == n) or n < 2:
             raise ValueError(f"datum fields must have one entry per token (>= 2 tokens), got {n} tokens")
+        if self.ref_logprobs is not None and len(self.ref_logprobs) != n:
+            raise ValueError(f"ref_logprobs must have one entry per token ({n}), got {len(self.ref_logprobs)}")
         if self.mask[0]:
             raise ValueError("the first token of a datum has no prediction and cannot be trained")
+
+
+# loss_fn(logprobs, batch, total_tokens) -> (loss, stats); see train_step
+LossFn = Callable[[torch.Tensor, dict[str, torch.Tensor], float], tuple[torch.Tensor, dict[str, float]]]
 
 
 def train_step(
@@ -409,18 +689,21 @@ def train_step(
     optimizer,
     accelerator,
     datums: list[Datum],
+    loss_fn: LossFn,
     *,
     temperature: float,
     pad_id: int,
     micro_batch_tokens: int,
     max_grad_norm: float,
-    clip: tuple[float, float] | None = None,
 ) -> dict:
     """One optimizer step on all datums (token-budget micro-batches, gradient accumulation).
 
-    Loss per trained token, ratio = exp(logp - old_logp): clip=None is the importance-sampling policy
-    gradient -ratio * A (Tinker style); clip=(eps_low, eps_high) is PPO's -min(ratio * A, clip(ratio) * A).
-    Token mean over the whole update, all processes together. A non-finite loss or gradient norm skips the step."""
+    The algorithm's loss_fn gets the policy's teacher-forced logprobs of one micro-batch [rows, width], the
+    micro-batch's right-padded datum fields (old_logprobs, advantages, mask; ref_logprobs when every datum has them)
+    and the number of trained tokens of the whole update on all processes; it returns the micro-batch's share of the
+    update's loss and per-token sums, logged as train/{name} means. A non-finite loss or gradient norm skips the step."""
+    from accelerate.utils import gather_object
+
     policy = accelerator.unwrap_model(model)  # gradients are summed across processes by hand below
     policy.train()
     params = [p for p in policy.parameters() if p.requires_grad]
@@ -430,31 +713,28 @@ def train_step(
     optimizer.zero_grad(set_to_none=True)
     if total_tokens == 0:
         return {"train/tokens": 0.0, "train/nonfinite_skipped": 0.0}
-    loss_sum = ratio_sum = clipped = 0.0
-    ratio_max = 0.0
+    loss_sum = ratio_sum = ratio_max = 0.0
+    stat_sums: dict[str, float] = {}
     for batch in token_budget_batches([len(d.tokens) for d in datums], micro_batch_tokens):
         rows = [datums[i] for i in batch]
         width = max(len(d.tokens) for d in rows)
-
-        def padded(field: str) -> torch.Tensor:
-            return torch.tensor([getattr(d, field) + [0.0] * (width - len(d.tokens)) for d in rows], device=device)
-
+        fields = ["old_logprobs", "advantages", "mask"] + (
+            ["ref_logprobs"] if all(d.ref_logprobs is not None for d in rows) else []
+        )
+        padded = {
+            name: torch.tensor([getattr(d, name) + [0.0] * (width - len(d.tokens)) for d in rows], device=device)
+            for name in fields
+        }
         logprobs = forward_logprobs(policy, [d.tokens for d in rows], temperature, pad_id, device)
-        old_logprobs, advantages, mask = padded("old_logprobs"), padded("advantages"), padded("mask")
-        ratio = torch.exp(logprobs - old_logprobs)
-        if clip is None:
-            per_token = -ratio * advantages
-            is_clipped = torch.zeros_like(mask)
-        else:
-            clipped_ratio = ratio.clamp(1.0 - clip[0], 1.0 + clip[1])
-            per_token = -torch.minimum(ratio * advantages, clipped_ratio * advantages)
-            is_clipped = (clipped_ratio * advantages < ratio * advantages).float()
-        loss = (per_token * mask).sum() / total_tokens
+        loss, stats = loss_fn(logprobs, padded, total_tokens)
         loss.backward()
         loss_sum += loss.item()
-        ratio_sum += (ratio.detach() * mask).sum().item()
-        ratio_max = max(ratio_max, (ratio.detach() * mask).max().item())
-        clipped += (is_clipped * mask).sum().item()
+        ratio = torch.exp(logprobs.detach() - padded["old_logprobs"]) * padded["mask"]
+        ratio_sum += ratio.sum().item()
+        ratio_max = max(ratio_max, ratio.max().item())
+        for name, value in stats.items():
+            stat_sums[name] = stat_sums.get(name, 0.0) + float(value)
+    names = sorted(stat_sums)
     if accelerator.num_processes > 1:
         flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in params])
         torch.distributed.all_reduce(flat)
@@ -462,9 +742,12 @@ def train_step(
         for p in params:
             p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
             offset += p.numel()
+        names = sorted({name for rank_names in gather_object([names]) for name in rank_names})
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm).item()
-    sums = accelerator.reduce(torch.tensor([loss_sum, ratio_sum, clipped], dtype=torch.float64, device=device), "sum")
-    loss_total, ratio_total, clipped_total = sums.tolist()
+    sums = [loss_sum, ratio_sum] + [stat_sums.get(name, 0.0) for name in names]
+    loss_total, ratio_total, *stat_totals = accelerator.reduce(
+        torch.tensor(sums, dtype=torch.float64, device=device), "sum"
+    ).tolist()
     ratio_max = (
         accelerator.reduce(torch.tensor([ratio_max], device=device), "max").item()
         if accelerator.num_processes > 1
@@ -482,7 +765,7 @@ def train_step(
         "train/grad_norm": grad_norm,
         "train/ratio_mean": ratio_total / total_tokens,
         "train/ratio_max": ratio_max,
-        "train/clip_frac": clipped_total / total_tokens,
+        **{f"train/{name}": total / total_tokens for name, total in zip(names, stat_totals)},
         "train/nonfinite_skipped": 0.0 if finite else 1.0,
     }
 
@@ -695,14 +978,14 @@ def _checkpoints_in(run_dir: Path) -> list[Path]:
     return sorted(p for p in (run_dir / "checkpoints").glob("update_*") if (p / "trainer_state.json").is_file())
 
 
-def find_checkpoint(spec: str, output_dir: str, exp_name: str, flag: str) -> Path | None:
+def find_checkpoint(spec: str, output_dir: str, exp_name: str, seed: int, flag: str) -> Path | None:
     """`spec` of --resume / --eval-only: "" -> None; "auto" -> newest checkpoint of the latest run named exp_name
-    (None if there is none); a checkpoint dir; or a run dir (its newest checkpoint)."""
+    with this seed (None if there is none); a checkpoint dir; or a run dir (its newest checkpoint)."""
     if not spec:
         return None
     if spec == "auto":
         runs = sorted(
-            Path(output_dir).glob(f"{exp_name}__*"),
+            Path(output_dir).glob(f"{exp_name}__{seed}__*"),
             key=lambda p: (int(p.name.split("__")[-1]), p.name) if p.name.split("__")[-1].isdigit() else (0, p.name),
         )
         for run_dir in reversed(runs):
@@ -720,13 +1003,13 @@ def find_checkpoint(spec: str, output_dir: str, exp_name: str, flag: str) -> Pat
 def check_checkpoint(path: Path, args, algorithm: str, flag: str, num_processes: int | None) -> dict:
     """Open every file of a checkpoint and compare it with the flags, before anything loads; returns its
     trainer state. num_processes: resuming (optimizer and RNG states needed, one state per process)."""
-    from safetensors import SafetensorError, safe_open
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
 
     try:
         state = json.loads((path / "trainer_state.json").read_text())
         adapter_config = json.loads((path / "adapter_config.json").read_text())
-        with safe_open(str(path / "adapter_model.safetensors"), "pt"):
-            pass
+        adapter = load_file(str(path / "adapter_model.safetensors"))
         if num_processes is not None:
             for name in ("optimizer.pt", "rng.pt"):
                 zipfile.ZipFile(path / name).close()  # a torch.save file is a zip; a truncated one has no directory
@@ -741,6 +1024,11 @@ def check_checkpoint(path: Path, args, algorithm: str, flag: str, num_processes:
         or not isinstance(state.get("rank_states"), list)
     ):
         raise ValueError(f"{flag} {path}: corrupt checkpoint (trainer_state.json lacks update / rank_states)")
+    if state.get("adapter_sha256") not in (None, adapter_sha256(adapter)):
+        raise ValueError(
+            f"{flag} {path}: corrupt checkpoint (adapter_model.safetensors does not match the sha256 in "
+            "trainer_state.json); pass an older checkpoint dir"
+        )
     if state.get("algorithm") != algorithm:
         raise ValueError(
             f"{flag} {path} is a checkpoint of {state.get('algorithm')!r}; this script trains {algorithm!r}"
@@ -762,19 +1050,113 @@ def check_checkpoint(path: Path, args, algorithm: str, flag: str, num_processes:
     return state
 
 
-def check_start(args, algorithm: str, accelerator) -> tuple[Path | None, dict | None]:
-    """Model, output dir and checkpoint checks that fail at start, before any model loads. Returns the checkpoint to
-    load (--resume, --eval-only) and its trainer state, or (None, None) for a new run."""
-    check_model(args.model)
-    require_writable_dir(args.output_dir, "--output-dir")
-    flag, spec = ("--eval-only", args.eval_only) if args.eval_only else ("--resume", args.resume)
-    checkpoint = find_checkpoint(spec, args.output_dir, args.exp_name, flag)
-    if checkpoint is None:
+class StartupError(ValueError):
+    """A bad flag, game, checkpoint or endpoint, found before training (the CLI prints it as one line, exits 2)."""
+
+
+@contextlib.contextmanager
+def starting():
+    """A ValueError raised inside is a StartupError."""
+    try:
+        yield
+    except ValueError as error:
+        raise StartupError(str(error)) from error
+
+
+# Flags a resumed run may change: where and how fast it runs and what it logs, not what it trains.
+RESUME_FREE_FLAGS = (
+    "resume",
+    "eval_only",
+    "output_dir",
+    "track",
+    "wandb_project",
+    "save_every",
+    "eval_every",
+    "eval_games",
+    "threads",
+    "micro_batch_tokens",
+    "sample_batch_size",
+    "sampler",
+    "sampler_url",
+    "sampler_adapter_dir",
+    "sampler_concurrency",
+    "sampler_timeout_s",
+    "sampler_deadline_s",
+)
+
+
+def start(args, algorithm: str, accelerator, validate_args, resume_may_change: Sequence[str] = ()):
+    """Every check that can fail at start, before any model loads: flags, threads, model, output dir, checkpoint,
+    games. Returns (args as the run uses them, checkpoint to load or None, its trainer state or None). The args:
+    data root resolved; --eval-only: every flag left at its default takes the evaluated run's value (its
+    config.json); --resume: flags that change what the run is (all but RESUME_FREE_FLAGS and resume_may_change)
+    must equal the run's."""
+    with starting():
+        validate_model_args(args)  # before looking the checkpoint up (--resume and --eval-only exclude each other)
+        flag, spec = ("--eval-only", args.eval_only) if args.eval_only else ("--resume", args.resume)
+        checkpoint = find_checkpoint(spec, args.output_dir, args.exp_name, args.seed, flag)
+        config_file = checkpoint.parent.parent / "config.json" if checkpoint is not None else None
+        config = json.loads(config_file.read_text()) if config_file is not None and config_file.is_file() else {}
         if args.eval_only:
-            raise ValueError(f"--eval-only auto: no checkpoint of a run named {args.exp_name} in {args.output_dir}")
-        return None, None
-    state = check_checkpoint(checkpoint, args, algorithm, flag, None if args.eval_only else accelerator.num_processes)
-    return checkpoint, state
+            defaults = dataclasses.asdict(type(args)())
+            inherited = {
+                key: tuple(value) if isinstance(value, list) else value
+                for key, value in config.items()
+                if key in defaults
+                and key not in ("resume", "eval_only", "output_dir", "threads")
+                and getattr(args, key) == defaults[key]
+            }
+            args = dataclasses.replace(args, **inherited)
+        validate_args(args)
+        set_threads(args, int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes)))
+        check_model(args.model)
+        require_writable_dir(args.output_dir, "--output-dir")
+        if checkpoint is None and spec:
+            if args.eval_only:
+                raise ValueError(
+                    f"--eval-only auto: no checkpoint of a run {args.exp_name}__{args.seed}__* in {args.output_dir}"
+                )
+            print(
+                f"[start] --resume auto: no checkpoint of a run {args.exp_name}__{args.seed}__* in "
+                f"{args.output_dir}; starting a new run",
+                file=sys.stderr,
+            )
+        with accelerator.main_process_first():  # the offline game set is generated once, not once per process
+            args = dataclasses.replace(args, data_root=args.data_root or str(common.default_data_root()))
+        state = None
+        if checkpoint is not None:
+            state = check_checkpoint(
+                checkpoint, args, algorithm, flag, None if args.eval_only else accelerator.num_processes
+            )
+            ours, free = json.loads(json.dumps(dataclasses.asdict(args))), (*RESUME_FREE_FLAGS, *resume_may_change)
+            differences = [
+                f"--{key.replace('_', '-')} {ours[key]} (the run: {config[key]})"
+                for key in ours
+                if not args.eval_only and key in config and key not in free and ours[key] != config[key]
+            ]
+            if differences:
+                raise ValueError(
+                    f"--resume {checkpoint}: these flags change what the run is, and differ from its "
+                    f"{config_file}: {'; '.join(differences)}. Pass the run's values, or start a new run"
+                )
+        games = [] if args.eval_only else training_games(args, accelerator)[1]
+        for split in ("valid_seen", "valid_unseen") if args.eval_only or args.eval_every else ():
+            try:
+                games += common.eval_subset(args.data_root, split, args.task_types, args.eval_games)
+            except FileNotFoundError:
+                pass  # evaluate() says so
+        common.check_games(games)
+        return args, checkpoint, state
+
+
+def cli(args_type, main) -> None:
+    """tyro's CLI around main: a StartupError prints just its message and exits 2, as tyro does for a bad flag."""
+    args = tyro.cli(args_type)
+    try:
+        main(args)
+    except StartupError as error:
+        print(f"error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def load_checkpoint(path: Path, model, optimizer, accelerator) -> None:
@@ -803,14 +1185,14 @@ def evaluate(
     max_trajectory_tokens: int,
     on_turn=None,
 ) -> dict:
-    """Greedy episodes on the first eval_games games of valid_seen and valid_unseen (sharded over processes).
+    """Greedy episodes on eval_games games (common.eval_subset) of valid_seen and valid_unseen (sharded over processes).
     invalid_action_rate = turns whose reply was not an admissible action (bad format or not admissible)."""
     from accelerate.utils import gather_object
 
     metrics = {}
     for split in ("valid_seen", "valid_unseen"):
         try:
-            games = common.discover_games(data_root, split, task_types)[:eval_games]
+            games = common.eval_subset(data_root, split, task_types, eval_games)
         except FileNotFoundError as error:
             print(f"[eval] skipping {split}: {error}", file=sys.stderr)
             continue
@@ -914,14 +1296,20 @@ def actor_signals(
     return returns, value_target, [r - value_target for r in returns]
 
 
+def critic_errors(values: Sequence[float | None], value_target: float) -> list[float]:
+    """|V_k - G| per critic sample; a parse failure (None) counts as 1, the largest error a parsed value can make
+    (values and targets both lie in [0, 1])."""
+    return [1.0 if v is None else abs(v - value_target) for v in values]
+
+
 def critic_signals(
     values: Sequence[float | None], value_target: float, r_max: float
 ) -> tuple[list[float], list[float]]:
-    """Reward -|V_k - G| / r_max per critic sample (a parse failure, None, gets -r_max: the worst), centred
-    within the group."""
+    """Reward -|V_k - G| / r_max per critic sample (a parse failure scores exactly like the worst possible
+    parsed answer, -1 / r_max), centred within the group."""
     if not values:
         raise ValueError("critic_signals needs at least one critic sample")
-    rewards = [-r_max if v is None else -abs(v - value_target) / r_max for v in values]
+    rewards = [-error / r_max for error in critic_errors(values, value_target)]
     mean = sum(rewards) / len(rewards)
     return rewards, [r - mean for r in rewards]
 
@@ -931,41 +1319,64 @@ def is_degenerate(advantages: Sequence[float]) -> bool:
 
 
 CRITIC_SYSTEM_PROMPT = (
-    "You are the critic of an agent playing a household text game (ALFWorld). You see the task, what the agent "
-    "did so far, and a reference solution that the agent cannot see. Estimate the probability that the agent, "
-    "from where it stands now, completes the task within its remaining steps. Reason briefly, then end your "
-    "reply with <value>p</value>, p a number between 0 and 1."
+    "You are the critic of an agent playing a household text game (ALFWorld). You see the task, the agent's "
+    "replies so far (its reasoning and the actions it sent) with the game's answers, and a reference solution "
+    "that the agent cannot see. Judge what the agent has achieved and understood, whether its current "
+    "hypothesis and plan still lead to the goal (check them against the reference), and what obstacles remain. "
+    "Estimate the probability that the agent, from where it stands now, completes the task within its remaining "
+    "steps. Reason briefly, then end your reply with <value>p</value>, p a number between 0 and 1."
 )
 PRIVILEGED_HEADER = "Reference solution (privileged, hidden from the agent):"
+ADMISSIBLE_SEPARATOR = "\nAdmissible actions: "  # how common.ChatProtocol appends the list to user/tool messages
 
 
-def condensed_history(messages: Sequence[dict]) -> list[str]:
-    """The chat as short lines: first observation, then per turn the action sent (or the failed format)
-    and what the game answered. Admissible-action lists are dropped."""
+def trim_middle(text: str, max_chars: int) -> str:
+    """`text` cut to `max_chars` characters by dropping its middle: the plan at the start and the conclusion
+    at the end stay."""
+    if len(text) <= max_chars:
+        return text
+    head = max_chars // 2
+    return text[:head] + " [...] " + text[len(text) - (max_chars - head) :]
+
+
+def condensed_history(messages: Sequence[dict], step_chars: int) -> list[str]:
+    """The chat as the critic reads it: the first observation, then per turn the actor's reply (its reasoning
+    trimmed to `step_chars`, then the action it sent; a reply without a valid action is shown trimmed as
+    written) and what the game answered. Admissible-action lists are dropped."""
     lines, turn = [], 0
     for message in messages:
-        content = message["content"].split("\nAdmissible actions: ")[0]
-        if message["role"] == "user":
-            lines.append(f"Start: {content.strip()}")
-        elif message["role"] == "assistant":
+        role, content = message["role"], message["content"]
+        if role == "user":
+            lines.append(f"Start: {content.split(ADMISSIBLE_SEPARATOR)[0].strip()}")
+        elif role == "assistant":
             turn += 1
             action = common.parse_action(content)
-            lines.append(f"Step {turn}: " + (f"> {action}" if action else "(no valid action)"))
-        elif message["role"] == "tool":
-            status, _, observation = content.partition("\nObservation: ")
+            if action is None:
+                lines.append(f"Step {turn}: (no valid action) {trim_middle(content.strip(), step_chars)}".rstrip())
+            else:  # parse_action found exactly one tool call, at the end
+                reasoning = trim_middle(content[: content.find("<tool_call>")].strip(), step_chars)
+                lines.append(f"Step {turn}: " + (f"{reasoning}\n> {action}" if reasoning else f"> {action}"))
+        elif role == "tool":
+            status, _, observation = content.split(ADMISSIBLE_SEPARATOR)[0].partition("\nObservation: ")
             lines[-1] += f" [{status.removeprefix('Status: ').split(':')[0]}] {observation.strip()}"
     return lines
 
 
 def critic_prompt(
-    tokenizer, task: str, walkthrough: Sequence[str], messages: Sequence[dict], round_index: int, max_episode_steps: int
+    tokenizer,
+    task: str,
+    walkthrough: Sequence[str],
+    messages: Sequence[dict],
+    round_index: int,
+    max_episode_steps: int,
+    step_chars: int,
 ) -> list[int]:
     """Critic prompt tokens: task, steps left, the privileged walkthrough and the condensed history, rendered
     as a plain chat (no tools)."""
     reference = "\n".join(f"{i + 1}. {action}" for i, action in enumerate(walkthrough)) or "(none)"
     user = (
         f"Task: {task}\nSteps taken: {round_index} of {max_episode_steps} ({max_episode_steps - round_index} left)\n\n"
-        f"{PRIVILEGED_HEADER}\n{reference}\n\nHistory:\n" + "\n".join(condensed_history(messages))
+        f"{PRIVILEGED_HEADER}\n{reference}\n\nHistory:\n" + "\n".join(condensed_history(messages, step_chars))
     )
     chat = [{"role": "system", "content": CRITIC_SYSTEM_PROMPT}, {"role": "user", "content": user}]
     text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
@@ -994,6 +1405,27 @@ class StateStore:
         return taken
 
 
+def policy_loss(
+    logprobs: torch.Tensor,
+    batch: dict[str, torch.Tensor],
+    total_tokens: float,
+    *,
+    clip: tuple[float, float] | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """train_step's loss, token mean over the whole update. ratio = exp(logp - old_logp): clip=None is the
+    importance-sampling policy gradient -ratio * A (Tinker style); clip=(eps_low, eps_high) is PPO's
+    -min(ratio * A, clip(ratio) * A)."""
+    mask, advantages = batch["mask"], batch["advantages"]
+    ratio = torch.exp(logprobs - batch["old_logprobs"])
+    if clip is None:
+        per_token, is_clipped = -ratio * advantages, torch.zeros_like(mask)
+    else:
+        clipped_ratio = ratio.clamp(1.0 - clip[0], 1.0 + clip[1])
+        per_token = -torch.minimum(ratio * advantages, clipped_ratio * advantages)
+        is_clipped = (clipped_ratio * advantages < ratio * advantages).float()
+    return (per_token * mask).sum() / total_tokens, {"clip_frac": (is_clipped * mask).sum().item()}
+
+
 def actor_datum(traj: common.Trajectory, advantage: float) -> Datum:
     """Saved prefix + this segment; only the tokens generated in this segment are trained."""
     tokens, old_logprobs, step_ids = traj.sequence()
@@ -1017,7 +1449,7 @@ def validate_args(args: Args) -> None:
     checks = [
         (args.macro_rounds >= 1, f"--macro-rounds must be >= 1, got {args.macro_rounds}"),
         (
-            args.max_episode_steps >= 1 and args.max_episode_steps % max(1, args.macro_rounds) == 0,
+            args.max_episode_steps >= 1 and (args.eval_only or args.max_episode_steps % max(1, args.macro_rounds) == 0),
             f"--max-episode-steps ({args.max_episode_steps}) must be a positive multiple of --macro-rounds ({args.macro_rounds})",
         ),
         (args.branches >= 2, f"--branches must be >= 2 (advantages compare branches), got {args.branches}"),
@@ -1043,6 +1475,12 @@ def validate_args(args: Args) -> None:
         (args.prefix_is_max_weight >= 1, f"--prefix-is-max-weight must be >= 1, got {args.prefix_is_max_weight}"),
         (args.max_turn_tokens >= 1, f"--max-turn-tokens must be >= 1, got {args.max_turn_tokens}"),
         (args.max_critic_tokens >= 1, f"--max-critic-tokens must be >= 1, got {args.max_critic_tokens}"),
+        (args.critic_step_chars >= 1, f"--critic-step-chars must be >= 1, got {args.critic_step_chars}"),
+        (
+            args.max_critic_tokens < args.max_trajectory_tokens,
+            f"--max-critic-tokens ({args.max_critic_tokens}) must be below --max-trajectory-tokens "
+            f"({args.max_trajectory_tokens}): critic prompt and reply share that budget",
+        ),
         (
             args.max_trajectory_tokens > args.max_turn_tokens,
             f"--max-trajectory-tokens ({args.max_trajectory_tokens}) must exceed --max-turn-tokens ({args.max_turn_tokens})",
@@ -1071,29 +1509,43 @@ class Runtime:
     rng: random.Random  # state-store sampling (saved in checkpoints)
     game_cursor: int = 0
     on_turn: Callable[[int, int], None] | None = None  # rollout progress (the logger's turn bar)
+    bad_games: int = 0  # games skipped since the last metrics row (rollout/bad_games_skipped)
 
     def fresh_state(self) -> common.SavedState:
-        """The next training game from its start (games cycle in their shuffled order)."""
-        game = self.games[self.game_cursor % len(self.games)]
-        self.game_cursor += 1
-        return common.fresh_state(game, self.protocol, seed=self.game_cursor)
+        """The next training game from its start (games cycle in their shuffled order). A game that passed the
+        start-up parse but does not load is skipped, named on stderr and counted: a bad game never ends the run."""
+        for _ in self.games:
+            game = self.games[self.game_cursor % len(self.games)]
+            self.game_cursor += 1
+            try:
+                return common.fresh_state(game, self.protocol, seed=self.game_cursor)
+            except common.BadGameError as error:
+                self.bad_games += 1
+                print(f"[games] WARNING: skipped a game that does not load: {error}", file=sys.stderr)
+        raise RuntimeError(f"none of this process's {len(self.games)} training games loads")
 
-    def critic_prompt(self, game_file: str, task: str, messages, round_index: int) -> list[int]:
-        return critic_prompt(
-            self.tokenizer, task, common.load_game(game_file).walkthrough, messages, round_index, self.args.max_episode_steps
+    def critic_prompt(self, game_file: str, task: str, messages, round_index: int) -> list[int] | None:
+        """The critic prompt of a state; None when it leaves no room for a reply in --max-trajectory-tokens
+        (never sent; the caller counts it)."""
+        args = self.args
+        walkthrough = common.load_game(game_file).walkthrough
+        prompt = critic_prompt(
+            self.tokenizer, task, walkthrough, messages, round_index, args.max_episode_steps, args.critic_step_chars
         )
+        return prompt if len(prompt) <= args.max_trajectory_tokens - args.max_critic_tokens else None
 
     def train(self, datums: list[Datum]) -> dict:
-        return train_step(
+        drift = refresh_old_logprobs(self.model, self.accelerator, datums, self.args, self.tokenizer.pad_token_id)
+        return drift | train_step(
             self.model,
             self.optimizer,
             self.accelerator,
             datums,
+            functools.partial(policy_loss, clip=self.args.ppo_clip),
             temperature=self.args.temperature,
             pad_id=self.tokenizer.pad_token_id,
             micro_batch_tokens=self.args.micro_batch_tokens,
             max_grad_norm=self.args.max_grad_norm,
-            clip=self.args.ppo_clip,
         )
 
 
@@ -1110,16 +1562,27 @@ def rollout_metrics(trajectories: Sequence[common.Trajectory]) -> dict:
     }
 
 
-def critic_metrics(values: Sequence[float | None], targets: Sequence[float]) -> dict:
-    """Error and correlation of the critic's parsed values against their targets (value per sample)."""
-    if not values:
+def critic_metrics(values_per_state: Sequence[Sequence[float | None]], targets: Sequence[float], corr_key: str) -> dict:
+    """The critic's samples on a batch of states (one target each): parse failure rate, mean |V - G| with a
+    failure counted as 1 (abs_error_mean) and over parsed samples only, and under `corr_key` the correlation of
+    each state's mean parsed estimate with its target."""
+    errors = [e for values, g in zip(values_per_state, targets) for e in critic_errors(values, g)]
+    if not errors:
         return {}
-    pairs = [(v, g) for v, g in zip(values, targets) if v is not None]
-    metrics = {"critic/parse_failure_rate": 1 - len(pairs) / max(1, len(values))}
-    if pairs:
-        metrics["critic/abs_error_mean"] = sum(abs(v - g) for v, g in pairs) / len(pairs)
-    if len(pairs) >= 2 and len({v for v, _ in pairs}) > 1 and len({g for _, g in pairs}) > 1:
-        metrics["critic/value_corr"] = statistics.correlation([v for v, _ in pairs], [g for _, g in pairs])
+    parsed = [(v, g) for values, g in zip(values_per_state, targets) for v in values if v is not None]
+    metrics = {
+        "critic/parse_failure_rate": 1 - len(parsed) / len(errors),
+        "critic/abs_error_mean": statistics.fmean(errors),
+    }
+    if parsed:
+        metrics["critic/abs_error_parsed_mean"] = statistics.fmean(abs(v - g) for v, g in parsed)
+    estimates = [
+        (statistics.fmean(v for v in values if v is not None), g)
+        for values, g in zip(values_per_state, targets)
+        if any(v is not None for v in values)
+    ]
+    if len({v for v, _ in estimates}) > 1 and len({g for _, g in estimates}) > 1:
+        metrics[corr_key] = statistics.correlation([v for v, _ in estimates], [g for _, g in estimates])
     return metrics
 
 
@@ -1157,22 +1620,28 @@ def warmup_update(rt: Runtime) -> tuple[dict, list[dict]]:
     trajectories = [traj for group in groups for traj in group]
     t_rollout = time.time()
 
-    # ---- Phase 1, step 2: the state at every H-turn boundary, its target = the trajectory's return (0/1 won)
-    prompts, targets = [], []
+    # ---- Phase 1, step 2: the state at every H-turn boundary before the end (the start included), its target =
+    # the trajectory's return (0/1 won); a state whose critic prompt is over budget is skipped
+    boundary_states, too_long = [], 0
     for traj in trajectories:
         for round_index in range(traj.start.round_index, traj.round_index, args.macro_rounds):
             messages = traj.messages[: len(traj.start.messages) + 2 * (round_index - traj.start.round_index)]
-            prompts.append(rt.critic_prompt(traj.start.game_file, traj.start.task, messages, round_index))
-            targets.append(1.0 if traj.won else 0.0)
+            prompt = rt.critic_prompt(traj.start.game_file, traj.start.task, messages, round_index)
+            if prompt is None:
+                too_long += 1
+            else:
+                boundary_states.append((traj, prompt, 1.0 if traj.won else 0.0))
+    targets = [target for _, _, target in boundary_states]
 
     # ---- Phase 1, step 3: K critic samples per boundary state, reward -|V - G| / r_max centred within the K
     K = args.critic_samples
-    replies = rt.sample_fn([p for p in prompts for _ in range(K)], args.max_critic_tokens)
-    datums, all_values, degenerate = [], [], 0
-    for i, (prompt, target) in enumerate(zip(prompts, targets)):
+    batch = [prompt for _, prompt, _ in boundary_states for _ in range(K)]
+    replies = rt.sample_fn(batch, args.max_critic_tokens) if batch else []
+    datums, values_per_state, degenerate = [], [], 0
+    for i, (_, prompt, target) in enumerate(boundary_states):
         group_replies = replies[i * K : (i + 1) * K]
         values = [parse_value(r.text) for r in group_replies]
-        all_values += values
+        values_per_state.append(values)
         _, advantages = critic_signals(values, target, args.r_max)
         if is_degenerate(advantages):
             degenerate += 1
@@ -1183,35 +1652,37 @@ def warmup_update(rt: Runtime) -> tuple[dict, list[dict]]:
     # ---- Phase 1, step 4: update the critic only
     metrics = rt.train(datums)
     metrics.update(rollout_metrics(trajectories))
-    metrics.update(critic_metrics(all_values, [g for g in targets for _ in range(K)]))
+    metrics.update(critic_metrics(values_per_state, targets, "critic/value_corr"))
     metrics.update(
         {
             "warmup/success_rate": sum(t.won for t in trajectories) / max(1, len(trajectories)),
-            "warmup/boundary_states": float(len(prompts)),
+            "warmup/boundary_states": float(len(boundary_states) + too_long),
+            "critic/prompt_too_long_rate": too_long / max(1, len(boundary_states) + too_long),
             "critic/value_target_mean": statistics.fmean(targets) if targets else 0.0,
             "critic/value_target_std": statistics.pstdev(targets) if targets else 0.0,
-            "critic/degenerate_group_rate": degenerate / max(1, len(prompts)),
+            "critic/degenerate_group_rate": degenerate / max(1, len(boundary_states)),
             "time/rollout": t_rollout - t0,
             "time/critic": t_critic - t_rollout,
             "time/update": time.time() - t_critic,
         }
     )
-    samples = [sample_row(trajectories[0], critic_reply=replies[0].text, value_target=targets[0])] if prompts else []
+    samples = []
+    if boundary_states:
+        samples.append(sample_row(boundary_states[0][0], critic_reply=replies[0].text, value_target=targets[0]))
     return metrics, samples
 
 
 # =============================================================================================
 # Phase 2: TD loop (actor + critic)
 # =============================================================================================
-def can_continue(traj: common.Trajectory, args: Args) -> bool:
-    """Stopped at the macro boundary with room for another turn: not won, under T, within the token budget."""
-    fits = len(traj.tokens) + args.max_turn_tokens <= args.max_trajectory_tokens
-    return traj.stop_reason == common.STOP_HORIZON and fits
+def has_room(traj: common.Trajectory, args: Args) -> bool:
+    """Another turn fits in the episode's token budget."""
+    return len(traj.tokens) + args.max_turn_tokens <= args.max_trajectory_tokens
 
 
 def prefix_weights(rt: Runtime, starts: Sequence[common.SavedState]) -> list[float | None]:
-    """exp(log p_now(prefix) - log p_old(prefix)) over the prefix's generated tokens, clipped to the ceiling;
-    None for a state without generated tokens (a fresh game: nothing to correct)."""
+    """exp(log p_now(prefix) - log p_old(prefix)) over the prefix's generated tokens, clipped to
+    [1 / max, max]; None for a state without generated tokens (a fresh game: nothing to correct)."""
     with_prefix = [i for i, s in enumerate(starts) if any(k >= 0 for k in s.prefix_step_ids)]
     current = sequence_logprobs(
         rt.model,
@@ -1226,7 +1697,8 @@ def prefix_weights(rt: Runtime, starts: Sequence[common.SavedState]) -> list[flo
         state = starts[i]
         generated = zip(logprobs, state.prefix_logprobs, state.prefix_step_ids)
         log_ratio = sum(now - old for now, old, k in generated if k >= 0)
-        weights[i] = math.exp(min(log_ratio, math.log(rt.args.prefix_is_max_weight)))
+        bound = math.log(rt.args.prefix_is_max_weight)
+        weights[i] = math.exp(min(max(log_ratio, -bound), bound))
     return weights
 
 
@@ -1256,38 +1728,36 @@ def td_update(rt: Runtime) -> tuple[dict, list[dict]]:
     trajectories = [traj for _, group in live for traj in group]
     t_rollout = time.time()
 
-    # ---- Phase 2, step 4: value the endpoints that stopped at the macro boundary; terminal ones are worth 0
-    endpoints = [traj for traj in trajectories if can_continue(traj, args)]
+    # ---- Phase 2, step 4: value every branch that stopped at the macro boundary with the critic (also one with no
+    # token room for another turn: truncated, not ended). Terminal branches (won, at T, or out of tokens mid-segment)
+    # are worth 0
+    endpoints = [traj for traj in trajectories if traj.stop_reason == common.STOP_HORIZON]
     endpoint_prompts = [rt.critic_prompt(t.start.game_file, t.start.task, t.messages, t.round_index) for t in endpoints]
     start_prompts = [rt.critic_prompt(s.game_file, s.task, s.messages, s.round_index) for s, _ in live]
-    critic_batch = [p for p in endpoint_prompts for _ in range(E)] + [p for p in start_prompts for _ in range(K)]
-    replies = rt.sample_fn(critic_batch, args.max_critic_tokens)  # one batched call for all critic samples
-    endpoint_replies, start_replies = replies[: len(endpoints) * E], replies[len(endpoints) * E :]
+    critic_batch = [p for p in endpoint_prompts if p is not None for _ in range(E)]
+    critic_batch += [p for p in start_prompts if p is not None for _ in range(K)]
+    replies = iter(rt.sample_fn(critic_batch, args.max_critic_tokens) if critic_batch else [])  # one batched call
     endpoint_value, endpoint_failures = {}, 0
-    for i, traj in enumerate(endpoints):
-        parsed = [v for v in (parse_value(r.text) for r in endpoint_replies[i * E : (i + 1) * E]) if v is not None]
-        endpoint_failures += not parsed
-        endpoint_value[id(traj)] = statistics.fmean(parsed) if parsed else 0.0
+    for traj, prompt in zip(endpoints, endpoint_prompts):
+        values = [parse_value(next(replies).text) for _ in range(E)] if prompt is not None else []
+        parsed = [v for v in values if v is not None]
+        endpoint_failures += len(values) - len(parsed)
+        endpoint_value[id(traj)] = statistics.fmean(parsed) if parsed else 0.0  # all failed or not sent: 0
+    start_replies = [[next(replies) for _ in range(K)] if p is not None else [] for p in start_prompts]
 
     # ---- Phase 2, step 5: signals. Actor: A_n = R_n - mean(R). Critic: K samples on the start state vs G
     weights = prefix_weights(rt, [s for s, _ in live]) if args.prefix_is_correction else [None] * len(live)
     datums, samples = [], []
     critic_values, critic_targets, value_targets, zero_reward_gaps = [], [], [], []
     degenerate_actor = degenerate_critic = 0
-    for g, ((start, group), weight) in enumerate(zip(live, weights)):
+    for g, ((start, group), weight, group_replies) in enumerate(zip(live, weights, start_replies)):
         terminal = [id(traj) not in endpoint_value for traj in group]
         values = [endpoint_value.get(id(traj)) for traj in group]
         segment_rewards = [traj.reward for traj in group]
         returns, value_target, advantages = actor_signals(segment_rewards, values, terminal)
         value_targets.append(value_target)
         zero_reward_values = [v for v, r, done in zip(values, segment_rewards, terminal) if not done and r == 0]
-        if len(zero_reward_values) >= 2:
-            zero_reward_gaps.append(statistics.pstdev(zero_reward_values))
-        group_replies = start_replies[g * K : (g + 1) * K]
-        start_values = [parse_value(r.text) for r in group_replies]
-        critic_values += start_values
-        critic_targets += [value_target] * K
-        _, critic_advantages = critic_signals(start_values, value_target, args.r_max)
+        zero_reward_gaps.append(statistics.pstdev(zero_reward_values) if len(zero_reward_values) >= 2 else 0.0)
 
         # ---- Phase 2, step 6 (datums): actor = saved prefix + segment, critic = critic prompt + reply
         if is_degenerate(advantages):
@@ -1295,10 +1765,15 @@ def td_update(rt: Runtime) -> tuple[dict, list[dict]]:
         else:
             scale = 1.0 if weight is None else weight
             datums += [actor_datum(traj, a * scale) for traj, a in zip(group, advantages)]
-        if is_degenerate(critic_advantages):
-            degenerate_critic += 1
-        else:
-            datums += [critic_datum(start_prompts[g], r, a) for r, a in zip(group_replies, critic_advantages)]
+        if group_replies:  # not sent when the start state's critic prompt is over budget
+            start_values = [parse_value(r.text) for r in group_replies]
+            critic_values.append(start_values)
+            critic_targets.append(value_target)
+            _, critic_advantages = critic_signals(start_values, value_target, args.r_max)
+            if is_degenerate(critic_advantages):
+                degenerate_critic += 1
+            else:
+                datums += [critic_datum(start_prompts[g], r, a) for r, a in zip(group_replies, critic_advantages)]
         if g == 0:
             samples.append(
                 sample_row(
@@ -1306,7 +1781,7 @@ def td_update(rt: Runtime) -> tuple[dict, list[dict]]:
                     segment_reward=segment_rewards[0],
                     endpoint_value=values[0],
                     advantage=advantages[0],
-                    critic_reply=group_replies[0].text,
+                    critic_reply=group_replies[0].text if group_replies else None,
                     value_target=value_target,
                 )
             )
@@ -1316,32 +1791,35 @@ def td_update(rt: Runtime) -> tuple[dict, list[dict]]:
     metrics = rt.train(datums)
     t_update = time.time()
 
-    # ---- Phase 2, step 7: endpoints that can still continue go back into the store
-    for traj in endpoints:
+    # ---- Phase 2, step 7: endpoints with room for another turn (and a critic prompt within budget, so they can be
+    # valued again) go back into the store
+    stored = [t for t, p in zip(endpoints, endpoint_prompts) if p is not None and has_room(t, args)]
+    for traj in stored:
         rt.store.add(traj.saved_state())
 
     metrics.update(rollout_metrics(trajectories))
-    metrics.update(critic_metrics(critic_values, critic_targets))
+    metrics.update(critic_metrics(critic_values, critic_targets, "critic/td_target_corr"))
     parsed_weights = [w for w in weights if w is not None]
     if parsed_weights:
         metrics["td/prefix_is_weight_mean"] = statistics.fmean(parsed_weights)
         metrics["td/prefix_is_weight_max"] = max(parsed_weights)
-    if zero_reward_gaps:
-        metrics["actor/value_gap_zero_reward"] = statistics.fmean(zero_reward_gaps)
     if endpoints:
         metrics["critic/endpoint_value_mean"] = statistics.fmean(endpoint_value.values())
+    critic_prompts = endpoint_prompts + start_prompts
     metrics.update(
         {
             "critic/endpoint_parse_failures": float(endpoint_failures),
+            "critic/prompt_too_long_rate": sum(p is None for p in critic_prompts) / max(1, len(critic_prompts)),
             "critic/value_target_mean": statistics.fmean(value_targets) if value_targets else 0.0,
             "critic/value_target_std": statistics.pstdev(value_targets) if value_targets else 0.0,
-            "critic/degenerate_group_rate": degenerate_critic / max(1, len(live)),
+            "critic/degenerate_group_rate": degenerate_critic / max(1, len(critic_values)),
             "actor/segment_reward_mean": statistics.fmean(t.reward for t in trajectories) if trajectories else 0.0,
             "actor/degenerate_group_rate": degenerate_actor / max(1, len(live)),
             "actor/macro_boundary_rate": len(endpoints) / max(1, len(trajectories)),
+            "actor/value_gap_zero_reward": statistics.fmean(zero_reward_gaps) if zero_reward_gaps else 0.0,
             "td/store_size": float(len(rt.store)),
             "td/fresh_states": float(fresh),
-            "td/new_endpoints": float(len(endpoints)),
+            "td/new_endpoints": float(len(stored)),
             "td/macro_index_mean": macro_index_mean,
             "td/restore_failures": float(restore_failures),
             "time/rollout": t_rollout - t0,
@@ -1356,6 +1834,7 @@ def td_update(rt: Runtime) -> tuple[dict, list[dict]]:
 # Main: set-up, resume, the two phases, checkpoints, evaluation
 # =============================================================================================
 SUM_KEYS = (
+    "rollout/bad_games_skipped",
     "td/store_size",
     "td/fresh_states",
     "td/new_endpoints",
@@ -1364,15 +1843,15 @@ SUM_KEYS = (
     "warmup/boundary_states",
     "rollout/generated_tokens",
 )
+RESUME_MAY_CHANGE = ("td_updates",)  # flags that only extend a run
 POSTFIX_KEYS = ("critic/abs_error_mean", "critic/value_corr", "rollout/success_rate", "td/fresh_states", "train/loss")
 
 
 def main(args: Args) -> Path:
     """Train (or evaluate, with --eval-only); returns the run directory."""
-    validate_args(args)
     accelerator = make_accelerator()
     try:
-        checkpoint, trainer_state = check_start(args, ALGORITHM, accelerator)
+        args, checkpoint, trainer_state = start(args, ALGORITHM, accelerator, validate_args, RESUME_MAY_CHANGE)
         return _run(args, accelerator, checkpoint, trainer_state)
     finally:
         close_distributed()
@@ -1400,8 +1879,9 @@ def make_runtime(args: Args, accelerator) -> Runtime:
 
 def _run(args: Args, accelerator, checkpoint: Path | None, trainer_state: dict | None) -> Path:
     seed_everything(args.seed + accelerator.process_index)
-    rt = make_runtime(args, accelerator)
-    greedy_fn = make_sampler(rt.model, rt.tokenizer, accelerator, args, greedy=True)
+    with starting():  # endpoint checks
+        rt = make_runtime(args, accelerator)
+        greedy_fn = make_sampler(rt.model, rt.tokenizer, accelerator, args, greedy=True)
     eval_kwargs = dict(
         data_root=rt.data_root,
         task_types=args.task_types,
@@ -1435,6 +1915,7 @@ def _run(args: Args, accelerator, checkpoint: Path | None, trainer_state: dict |
     for update in range(done + 1, total_updates + 1):
         phase = "warmup" if update <= args.warmup_updates else "td"
         metrics, samples = warmup_update(rt) if phase == "warmup" else td_update(rt)
+        metrics["rollout/bad_games_skipped"], rt.bad_games = float(rt.bad_games), 0
         metrics = reduce_metrics(accelerator, metrics, SUM_KEYS)
         last = update == total_updates
         if args.eval_every and args.eval_games and (last or update % args.eval_every == 0):
@@ -1454,4 +1935,4 @@ def _run(args: Args, accelerator, checkpoint: Path | None, trainer_state: dict |
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    cli(Args, main)

@@ -1,6 +1,7 @@
 """A real OpenAI-compatible chat-completions server on 127.0.0.1 for the labeller tests."""
 
 import json
+import socket
 import threading
 import time
 from collections import defaultdict
@@ -8,12 +9,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
 class ScriptedEndpoint:
-    """A real HTTP server on 127.0.0.1 speaking /v1/chat/completions. `behave(content, attempt)` gets the
-    user message and the 1-based attempt number for that message and returns (status, payload, delay_s);
-    a str payload is the assistant's reply, a dict is sent as the JSON body, bytes are sent as they are."""
+    """A real HTTP server on 127.0.0.1 speaking /v1/chat/completions and /v1/models. `behave(content, attempt)`
+    gets the user message and the 1-based attempt number for that message and returns (status, payload, delay_s);
+    a str payload is the assistant's reply, a dict is sent as the JSON body, bytes are sent as they are, None
+    closes the connection without an answer (a connection failure). /v1/models lists `models` (None: 404)."""
 
-    def __init__(self, behave):
-        self.behave, self.lock, self.stop = behave, threading.Lock(), threading.Event()
+    def __init__(self, behave, models=("judge",)):
+        self.behave, self.models, self.lock, self.stop = behave, models, threading.Lock(), threading.Event()
         self.in_flight = self.max_in_flight = 0
         self.attempt_times = defaultdict(list)  # user message -> arrival times
         self.auth_headers = set()
@@ -22,6 +24,20 @@ class ScriptedEndpoint:
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, *args):
                 pass
+
+            def send_json(self, status, data: bytes):
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                if endpoint.models is None or self.path.rstrip("/") != "/v1/models":
+                    self.send_json(404, json.dumps({"error": {"message": "not found"}}).encode())
+                    return
+                models = [{"id": name, "object": "model", "created": 0, "owned_by": "test"} for name in endpoint.models]
+                self.send_json(200, json.dumps({"object": "list", "data": models}).encode())
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -35,6 +51,10 @@ class ScriptedEndpoint:
                 try:
                     status, payload, delay = endpoint.behave(content, attempt)
                     endpoint.stop.wait(delay)
+                    if payload is None:
+                        self.close_connection = True
+                        self.connection.shutdown(socket.SHUT_RDWR)
+                        return
                     if isinstance(payload, str):
                         payload = {
                             "id": "c",
@@ -49,12 +69,7 @@ class ScriptedEndpoint:
                                 }
                             ],
                         }
-                    data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
-                    self.send_response(status)
-                    self.send_header("Content-Type", "application/json")
-                    self.send_header("Content-Length", str(len(data)))
-                    self.end_headers()
-                    self.wfile.write(data)
+                    self.send_json(status, payload if isinstance(payload, bytes) else json.dumps(payload).encode())
                 except (BrokenPipeError, ConnectionResetError):
                     pass  # the client gave up (timeout)
                 finally:

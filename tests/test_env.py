@@ -1,7 +1,10 @@
 """The environment half of common.py, on the real TextWorld / Fast Downward engine."""
 
 import json
+import random
+import re
 import shutil
+from collections import Counter
 from pathlib import Path
 
 import psutil
@@ -262,6 +265,63 @@ def test_make_games_is_deterministic_and_has_a_cli(tmp_path):
     cli = sorted(p.relative_to(tmp_path / "cli") for p in (tmp_path / "cli").rglob("*") if p.is_file())
     assert direct == cli and len(direct) == 4
     assert all((tmp_path / "direct" / p).read_bytes() == (tmp_path / "cli" / p).read_bytes() for p in direct)
+
+
+def _broken_copy(tmp_path, game_file, breaks: str) -> Path:
+    """A copy of one game (in the download layout) with one of its files broken."""
+    game_dir = tmp_path / "json_2.1.1/train/pick_and_place_simple-Mug-None-Shelf-1/trial_X"
+    shutil.copytree(Path(game_file).parent, game_dir)
+    bad = game_dir / "game.tw-pddl"
+    if breaks == "truncated game":
+        bad.write_text(bad.read_text()[:500])
+    elif breaks == "corrupt traj_data":
+        bad = game_dir / "traj_data.json"
+        bad.write_text('{"task_type": "pick_and')
+    else:  # valid JSON, PDDL missing a parenthesis
+        data = json.loads(bad.read_text())
+        bad.write_text(json.dumps({**data, "pddl_problem": data["pddl_problem"].rstrip().removesuffix(")")}))
+    return bad
+
+
+@pytest.mark.parametrize("breaks", ["truncated game", "corrupt traj_data", "broken PDDL"])
+def test_bad_game_errors_name_the_file(tmp_path, all_games, breaks):
+    bad = _broken_copy(tmp_path, all_games[0], breaks)
+    game_file = bad.parent / "game.tw-pddl"
+    if breaks == "broken PDDL":  # discovery reads the JSON only: the parse check and loading catch it
+        assert common.discover_games(tmp_path, "train") == [str(game_file)]
+        with pytest.raises(common.BadGameError, match=re.escape(str(game_file)) + ".*Missing"):
+            common.load_game(game_file)
+    else:
+        with pytest.raises(common.BadGameError, match=re.escape(str(bad)) + ": unreadable"):
+            common.discover_games(tmp_path, "train")
+    with pytest.raises(common.BadGameError, match=re.escape(str(bad))):
+        common.check_games([all_games[0], game_file])
+    common.check_games(all_games)  # the good ones pass
+
+
+def test_eval_subset_covers_every_task_type_in_proportion(games_root):
+    train = common.discover_games(games_root, "train")
+    counts = Counter(common.load_task_type(g) for g in train)
+    assert len(counts) == 6 and sorted(counts.values()) == [1, 1, 2, 2, 2, 2]
+    random.seed(123)  # the subset ignores the global random state
+    six = common.eval_subset(games_root, "train", None, 6)
+    random.seed(456)
+    assert common.eval_subset(games_root, "train", None, 6) == six
+    assert sorted(common.load_task_type(g) for g in six) == sorted(common.TASK_TYPES)  # each type once
+    two = common.eval_subset(games_root, "train", None, 2)
+    assert two == six[:2] and len({common.load_task_type(g) for g in two}) == 2
+    assert sorted(common.eval_subset(games_root, "train", None, 100)) == sorted(train)
+    eight = Counter(common.load_task_type(g) for g in common.eval_subset(games_root, "train", None, 8))
+    assert all(eight[t] <= counts[t] for t in counts) and set(eight.values()) == {1, 2}
+    only = common.eval_subset(games_root, "train", ["pick_two_obj_and_place"], 5)
+    assert {common.load_task_type(g) for g in only} == {"pick_two_obj_and_place"}
+
+
+def test_first_generation_shows_progress(tmp_path, capfd):
+    root = common.default_data_root(n=1, seed=5, cache_dir=tmp_path)
+    assert root == tmp_path / "offline-games-n1-seed5" and len(list(root.glob("json_2.1.1/*/*/*/game.tw-pddl"))) == 1
+    err = capfd.readouterr().err
+    assert "generating offline games" in err and "1/1" in err  # a tqdm bar over the games
 
 
 def test_expert_plan_from_start_matches_walkthrough_and_replans_after_a_detour(all_games):

@@ -11,14 +11,14 @@ import pytest
 import plot
 
 
-def _write_run(directory, exp_name, seed, success):
+def _write_run(directory, exp_name, seed, success, critic=True, eval_only=""):
     directory.mkdir(parents=True)
-    (directory / "config.json").write_text(json.dumps({"exp_name": exp_name, "seed": seed}))
+    (directory / "config.json").write_text(json.dumps({"exp_name": exp_name, "seed": seed, "eval_only": eval_only}))
     rows = [
         {
             "update": u,
-            "rollout/generated_tokens": 100.0,
-            "critic/abs_error_mean": 1.0 / (u + 1),
+            "rollout/generated_tokens": 0.0 if eval_only else 100.0,
+            **({"critic/abs_error_mean": 1.0 / (u + 1)} if critic else {}),
             "eval/valid_seen/success_rate": s,
         }
         for u, s in enumerate(success)
@@ -58,3 +58,52 @@ def test_plot_runs(tmp_path):
     np.testing.assert_allclose(tokens, [100, 200, 300])
     with pytest.raises(FileNotFoundError, match="not a run directory"):
         plot.load_run(tmp_path / "plots")
+
+
+def _plot(*args):
+    command = [sys.executable, str(Path(plot.__file__)), *map(str, args)]
+    if "--metrics" not in args:
+        command += ["--metrics", "eval/valid_seen/success_rate"]
+    return subprocess.run(command, capture_output=True, text=True)
+
+
+def test_one_point_runs_eval_only_dirs_and_colours(tmp_path):
+    """One evaluation per run (the README's smoke runs) is drawn as markers; an --eval-only dir is not a seed and
+    does not pull the tokens axis; an experiment keeps its colour in every panel, also where another has no data."""
+    _write_run(tmp_path / "adca__1__0", "adca", 1, [0.5], critic=False)
+    _write_run(tmp_path / "tempo__1__0", "tempo", 1, [0.25])
+    _write_run(tmp_path / "tempo__1__9", "tempo", 1, [0.75], eval_only="runs/tempo__1__0")
+    runs = {}
+    for run_dir in sorted(tmp_path.iterdir()):
+        name, rows, eval_only = plot.load_run(run_dir)
+        if not eval_only:
+            runs.setdefault(name, []).append(rows)
+    metrics = ("critic/abs_error_mean", "eval/valid_seen/success_rate")
+    figure = plot.plot_metrics(runs, metrics, tmp_path / "comparison.png")
+    colours = {}
+    for ax in figure.axes:
+        for line in ax.lines:
+            assert line.get_marker() == "o" and len(line.get_xdata()) == 1
+            colours.setdefault(line.get_label(), set()).add(line.get_color())
+    assert colours == {"adca (n=1)": {"C0"}, "tempo (n=1)": {"C1"}}  # critic panel: tempo alone, still C1
+    tokens_ax = figure.axes[3]
+    assert [list(line.get_xdata()) for line in tokens_ax.lines] == [[100.0], [100.0]]
+
+    result = _plot(*sorted(tmp_path.glob("*__*")), "--out", tmp_path / "plots")
+    assert result.returncode == 0, result.stderr
+    assert "skipped" in result.stderr and "tempo__1__9: an --eval-only run" in result.stderr
+    assert (tmp_path / "plots" / "critic.png").is_file()
+
+    result = _plot(tmp_path / "adca__1__0", "--out", tmp_path / "adca_plots")
+    assert result.returncode == 0 and "critic.png skipped: no run logged critic metrics" in result.stderr
+    assert [p.name for p in (tmp_path / "adca_plots").iterdir()] == ["comparison.png"]
+
+
+def test_nothing_to_plot_fails_clearly(tmp_path):
+    _write_run(tmp_path / "tempo__1__0", "tempo", 1, [0.25])
+    _write_run(tmp_path / "tempo__1__9", "tempo", 1, [0.75], eval_only="runs/tempo__1__0")
+    result = _plot(tmp_path / "tempo__1__0", "--out", tmp_path / "plots", "--metrics", "eval/no_such_metric")
+    assert result.returncode != 0 and "--metrics ['eval/no_such_metric'] logged by none of the runs" in result.stderr
+    result = _plot(tmp_path / "tempo__1__9", "--out", tmp_path / "plots")
+    assert result.returncode != 0 and "no training runs" in result.stderr
+    assert not (tmp_path / "plots").exists()

@@ -5,6 +5,7 @@ import json
 import math
 import random
 import shutil
+import statistics
 
 import pytest
 
@@ -118,7 +119,6 @@ def test_actor_signals_terminal_branches_are_worth_zero():
     assert returns == pytest.approx([0.5, 1.0, 0.2, 0.0])
     assert target == pytest.approx(0.425)
     assert advantages == pytest.approx([0.075, 0.575, -0.225, -0.425])
-    assert sum(advantages) == pytest.approx(0.0)
 
 
 def test_actor_signals_degenerate_group():
@@ -144,7 +144,15 @@ def test_critic_signals_with_parse_failures():
     assert rewards == pytest.approx([-0.3, -1.0, -0.3, 0.0])
     assert advantages == pytest.approx([0.1, -0.6, 0.1, 0.4])
     rewards, _ = tempo.critic_signals([0.2, None], 0.5, 2.0)
-    assert rewards == pytest.approx([-0.15, -2.0])  # a failure stays the worst reward
+    assert rewards == pytest.approx([-0.15, -0.5])
+
+
+@pytest.mark.parametrize("r_max", [0.5, 1.0, 2.0])
+def test_a_parse_failure_scores_exactly_like_the_worst_parsed_answer(r_max):
+    # the worst parsed answer: 1 when the outcome was 0, and 0 when it was 1
+    for target, worst in [(0.0, 1.0), (1.0, 0.0)]:
+        rewards, _ = tempo.critic_signals([None, worst, target], target, r_max)
+        assert rewards == pytest.approx([-1 / r_max, -1 / r_max, 0.0])
     _, advantages = tempo.critic_signals([None, None, None], 0.5, 1.0)
     assert tempo.is_degenerate(advantages)
     _, advantages = tempo.critic_signals([0.3, 0.7], 0.5, 1.0)  # equally wrong: no preference
@@ -166,6 +174,8 @@ def test_critic_signals_with_parse_failures():
         (dict(r_max=0.0), "--r-max"),
         (dict(ppo_clip=(1.5, 0.2)), "--ppo-clip"),
         (dict(max_trajectory_tokens=512, max_turn_tokens=512), "--max-trajectory-tokens"),
+        (dict(max_critic_tokens=24576), "--max-critic-tokens"),
+        (dict(critic_step_chars=0), "--critic-step-chars"),
         (dict(temperature=0.0), "--temperature"),
         (dict(top_p=1.5), "--top-p"),
         (dict(task_types=("pick_and_fly",)), "--task-types"),
@@ -190,27 +200,48 @@ def test_state_store_is_fifo_and_take_removes(all_games, protocol):
     assert len(store.take(5, random.Random(0))) == 1 and len(store) == 0
 
 
-def test_critic_prompt_condenses_history_and_holds_the_walkthrough(all_games, protocol, tokenizer):
+def test_trim_middle_keeps_both_ends_within_the_budget():
+    assert tempo.trim_middle("abcdefghij", 10) == "abcdefghij"
+    assert tempo.trim_middle("abcdefghij", 4) == "ab [...] ij"
+    assert tempo.trim_middle("abcdefghij", 5) == "ab [...] hij"
+    assert tempo.trim_middle("abcdefghij", 1) == " [...] j"
+
+
+def test_critic_prompt_shows_the_actors_replies_and_holds_the_walkthrough(all_games, protocol, tokenizer):
     game = all_games[0]
     walkthrough = common.load_walkthrough(game)
-    scripted = iter([TOOL % walkthrough[0], "no tool call here"])
+    ramble = "I wonder. " * 100  # 1000 characters: cut to the step budget
+    quoting = "The game said\nAdmissible actions: look, inventory\nso I go on.\n"  # the phrase in a reply
+    scripted = iter(
+        [
+            "First I check the obvious place.\n" + TOOL % walkthrough[0],
+            ramble,
+            quoting + TOOL % walkthrough[1],
+            TOOL % "look",
+        ]
+    )
     sampler = lambda prompts, n: [
         common.Completion(protocol.encode(t), [0.0] * len(protocol.encode(t)), t)
         for t in [next(scripted) for _ in prompts]
     ]
     start = common.fresh_state(game, protocol)
     (group,) = common.rollout(
-        [start], 1, sampler, protocol, horizon=2, max_episode_steps=10, max_turn_tokens=64, max_trajectory_tokens=8192
+        [start], 1, sampler, protocol, horizon=4, max_episode_steps=10, max_turn_tokens=64, max_trajectory_tokens=8192
     )
     traj = group[0]
     text = tokenizer.decode(
-        tempo.critic_prompt(tokenizer, traj.start.task, walkthrough, traj.messages, traj.round_index, 10)
+        tempo.critic_prompt(tokenizer, traj.start.task, walkthrough, traj.messages, traj.round_index, 10, 120)
     )
     reference = "\n".join(f"{i + 1}. {a}" for i, a in enumerate(walkthrough))
     assert tempo.PRIVILEGED_HEADER + "\n" + reference in text
-    assert "Admissible actions" not in text and "alfworld_step" not in text  # no action lists, no tools
-    assert f"Step 1: > {walkthrough[0]} [executed]" in text and "Step 2: (no valid action) [invalid format" in text
-    assert "Steps taken: 2 of 10 (8 left)" in text and traj.start.task in text
+    assert f"Step 1: First I check the obvious place.\n> {walkthrough[0]} [executed]" in text
+    assert f"Step 2: (no valid action) {tempo.trim_middle(ramble.strip(), 120)} [invalid format]" in text
+    assert f"Step 3: {quoting.strip()}\n> {walkthrough[1]} [" in text  # the quoted phrase cost no action
+    assert "Step 4: > look [" in text and "alfworld_step" not in text  # calls shown as actions, no tool schema
+    for message in traj.messages:  # the game's admissible-action lists stay out
+        if message["role"] in ("user", "tool"):
+            assert message["content"].split(tempo.ADMISSIBLE_SEPARATOR)[1] not in text
+    assert "Steps taken: 4 of 10 (6 left)" in text and traj.start.task in text
     actor_text = tokenizer.decode(traj.tokens)
     assert tempo.PRIVILEGED_HEADER not in actor_text and reference not in actor_text
 
@@ -312,30 +343,46 @@ def test_ppo_clip_option_stops_the_gradient_outside_the_band(runtime):
 def test_token_budget_batches():
     batches = tempo.token_budget_batches([10, 50, 20, 30, 200], 60)
     assert batches == [[4], [1], [3, 2], [0]]  # longest first; rows x longest <= budget, an oversize row alone
-    assert sorted(i for b in batches for i in b) == list(range(5))
 
 
 # --------------------------------------------------------------------------------------------
 # TD updates with a scripted policy scored by the real model
 # --------------------------------------------------------------------------------------------
-def scored_script(rt, seed=0):
-    """A sample_fn whose replies are scripted (random admissible tool calls for the actor, random <value>
-    answers for the critic) and whose logprobs are the real tiny model's, so the groups carry signal. The
-    untrained tiny model itself never emits a parsable reply. Records every prompt it sees."""
+# Critic replies per distinct critic prompt, cycled in the order the prompts first appear: the two entries are
+# the replies to that prompt's 1st, 3rd, ... and 2nd, 4th, ... occurrence in one sample_fn call (so with 2 samples
+# per endpoint each endpoint gets both). Means of the parsed values differ, "no idea" fails to parse.
+PATTERNS = [
+    ("Looks good. <value>0.9</value>", "<value>0.5</value>"),  # 0.7
+    ("no idea", "<value>0.2</value>"),  # one failure: 0.2
+    ("<value>0.4</value>", "<value>.6</value>"),  # 0.5
+    ("no idea", "no idea either"),  # all failed: 0
+    ("<value>0.1</value>", "<value>0.8</value>"),  # 0.45
+]
+PARSED_PATTERNS = [p for p in PATTERNS if all(tempo.parse_value(r) is not None for r in p)]
+
+
+def scored_script(rt, seed=0, patterns=PATTERNS, pick=None):
+    """A sample_fn whose replies are scripted and whose logprobs are the real tiny model's, so the groups carry
+    signal (the untrained tiny model itself never emits a parsable reply). Actor: `pick(prompt_text,
+    admissible, rng)` (default: a random admissible action) as a tool call. Critic: `patterns` as above.
+    Records every prompt it sees and the pattern each critic prompt got."""
     rng, tokenizer = random.Random(seed), rt.tokenizer
-    seen = {"actor": [], "critic": []}
+    pick = pick or (lambda text, admissible, rng: rng.choice(admissible))
+    seen = {"actor": [], "critic": [], "pattern": {}}
 
     def sample(prompts, max_new_tokens):
-        replies = []
+        replies, occurrences = [], {}
         for prompt in prompts:
             text = tokenizer.decode(prompt)
             if tempo.CRITIC_SYSTEM_PROMPT in text:
                 seen["critic"].append(text)
-                replies.append(f"Hard to say. <value>{rng.choice(['0.1', '.5', '0.9', '1'])}</value>")
+                pattern = seen["pattern"].setdefault(text, patterns[len(seen["pattern"]) % len(patterns)])
+                occurrences[text] = occurrences.get(text, -1) + 1
+                replies.append(pattern[occurrences[text] % 2])
             else:
                 seen["actor"].append(text)
                 admissible = text.rsplit("Admissible actions: ", 1)[1].split("\n")[0].split(", ")
-                replies.append(TOOL % rng.choice(admissible))
+                replies.append(TOOL % pick(text, admissible, rng))
         tokens = [tokenizer.encode(r, add_special_tokens=False) + [tokenizer.eos_token_id] for r in replies]
         logprobs = tempo.sequence_logprobs(
             rt.model,
@@ -350,9 +397,78 @@ def scored_script(rt, seed=0):
     return sample, seen
 
 
+def record_rollouts_and_updates(rt, monkeypatch):
+    """The groups common.rollout returned and the datums rt.train got (both still run for real)."""
+    rollouts, updates = [], []
+    real_rollout, real_train = common.rollout, rt.train
+    monkeypatch.setattr(common, "rollout", lambda *a, **k: rollouts.append(real_rollout(*a, **k)) or rollouts[-1])
+    rt.train = lambda datums: updates.append(datums) or real_train(datums)
+    return rollouts, updates
+
+
+def critic_text(rt, start, messages, round_index) -> tuple[list[int], str]:
+    prompt = rt.critic_prompt(start.game_file, start.task, messages, round_index)
+    return prompt, rt.tokenizer.decode(prompt)
+
+
+def pattern_values(seen, text, n):
+    """The parsed values of the n critic samples one prompt got (None: failed)."""
+    return [tempo.parse_value(seen["pattern"][text][i % 2]) for i in range(n)]
+
+
+def trained_advantages(datum) -> list[float]:
+    return [a for a, m in zip(datum.advantages, datum.mask) if m]
+
+
+def check_td_wiring(rt, seen, groups, datums, weight=1.0) -> dict:
+    """Recompute every number of one TD update from the rollout and the scripted critic, and check each datum:
+    actor = (R_n - G) * weight on the segment's tokens, critic = its centred -|V_k - G| / r_max. Returns the
+    expected metrics."""
+    by_tokens = {tuple(d.tokens): d for d in datums}
+    E, K = rt.args.endpoint_samples, rt.args.critic_samples
+    assert E == 2  # the scripted critic gives each endpoint both replies of its pattern
+    expected = {"endpoint_values": [], "endpoint_failures": 0, "gaps": [], "critic": [], "actor_datums": 0}
+    for group in (g for g in groups if g):
+        start = group[0].start
+        values = []
+        for traj in group:
+            if traj.stop_reason != common.STOP_HORIZON:
+                values.append(None)  # terminal: worth 0
+                continue
+            samples = pattern_values(seen, critic_text(rt, start, traj.messages, traj.round_index)[1], E)
+            parsed = [v for v in samples if v is not None]
+            values.append(statistics.fmean(parsed) if parsed else 0.0)
+            expected["endpoint_values"].append(values[-1])
+            expected["endpoint_failures"] += E - len(parsed)
+        returns = [t.reward + (v or 0.0) for t, v in zip(group, values)]
+        target = statistics.fmean(returns)
+        zero = [v for t, v in zip(group, values) if v is not None and t.reward == 0]
+        expected["gaps"].append(statistics.pstdev(zero) if len(zero) >= 2 else 0.0)
+        for traj, ret in zip(group, returns):
+            datum = by_tokens.get(tuple(traj.sequence()[0]))
+            if tempo.is_degenerate([r - target for r in returns]):
+                assert datum is None
+                continue
+            expected["actor_datums"] += 1
+            n = sum(len(step.completion_tokens) for step in traj.steps)
+            assert trained_advantages(datum) == pytest.approx([(ret - target) * weight] * n, abs=1e-6)
+        start_tokens, start_text = critic_text(rt, start, start.messages, start.round_index)
+        start_values = pattern_values(seen, start_text, K)
+        expected["critic"].append((start_values, target))
+        rewards = [-e / rt.args.r_max for e in tempo.critic_errors(start_values, target)]
+        critic_datums = [d for d in datums if d.tokens[: len(start_tokens)] == start_tokens]
+        if tempo.is_degenerate([r - statistics.fmean(rewards) for r in rewards]):
+            assert not critic_datums
+        else:
+            assert [trained_advantages(d)[0] for d in critic_datums] == pytest.approx(
+                [r - statistics.fmean(rewards) for r in rewards]
+            )
+    return expected
+
+
 def test_td_updates_train_actor_and_critic_from_stored_states(runtime):
     rt = runtime(critic_samples=4, endpoint_samples=2, prefix_is_correction=True, learning_rate=1e-3)
-    rt.sample_fn, seen = scored_script(rt)
+    rt.sample_fn, seen = scored_script(rt, patterns=PARSED_PATTERNS)
     first, _ = tempo.td_update(rt)
     assert first["td/fresh_states"] == 2 and first["td/macro_index_mean"] == 0
     assert first["td/new_endpoints"] == 4 and first["td/store_size"] == 4 and first["actor/macro_boundary_rate"] == 1
@@ -365,7 +481,8 @@ def test_td_updates_train_actor_and_critic_from_stored_states(runtime):
     assert second["td/fresh_states"] == 0 and second["td/restore_failures"] == 0  # restored from the store
     assert second["td/macro_index_mean"] == 1 and second["td/store_size"] == 2
     assert second["actor/macro_boundary_rate"] == 0  # T reached: every branch is terminal
-    assert 0 < second["td/prefix_is_weight_mean"] <= second["td/prefix_is_weight_max"] <= rt.args.prefix_is_max_weight
+    max_weight = rt.args.prefix_is_max_weight
+    assert 1 / max_weight <= second["td/prefix_is_weight_mean"] <= second["td/prefix_is_weight_max"] <= max_weight
     assert second["train/tokens"] > 0
 
     # The walkthrough is in every critic prompt and in no actor prompt.
@@ -390,17 +507,134 @@ def test_td_update_drops_a_state_that_fails_to_restore(runtime):
     assert metrics["td/new_endpoints"] == 2  # the other start state's branches still ran and were stored
 
 
-def test_warmup_update_trains_the_critic_on_boundary_states(runtime):
-    rt = runtime(critic_samples=4, learning_rate=1e-3)
-    rt.sample_fn, seen = scored_script(rt)
+def test_warmup_values_every_boundary_state_against_its_trajectorys_outcome(runtime, monkeypatch, all_games):
+    """Boundary states at turns 0, H, ... before each trajectory's end, target = that trajectory's 0/1 outcome,
+    K samples each with centred rewards; value_corr correlates each state's mean estimate with the outcome."""
+    game = min(all_games, key=lambda g: len(common.load_walkthrough(g)))
+    walkthrough = common.load_walkthrough(game)
+    rt = runtime(critic_samples=4, warmup_games_per_batch=2, branches=2, learning_rate=1e-3)
+    rt.games = [game]
+
+    def mostly_walkthrough(text, admissible, rng):
+        turn = text.count("\nObservation: ")
+        return walkthrough[turn] if turn < len(walkthrough) and rng.random() < 0.8 else rng.choice(admissible)
+
+    rt.sample_fn, seen = scored_script(rt, pick=mostly_walkthrough)
+    rollouts, updates = record_rollouts_and_updates(rt, monkeypatch)
     metrics, samples = tempo.warmup_update(rt)
-    assert metrics["warmup/boundary_states"] == 2 * 2  # 1 game x 2 branches x (T / H) boundaries
-    assert metrics["critic/parse_failure_rate"] == 0 and metrics["train/tokens"] > 0
-    assert metrics["critic/value_target_mean"] == metrics["warmup/success_rate"]
-    assert len(seen["critic"]) == 4 * 4 and {"Steps taken: 0 of 4", "Steps taken: 2 of 4"} == {
-        line.split(" (")[0] for text in seen["critic"] for line in text.splitlines() if line.startswith("Steps taken")
-    }
+    (groups,), (datums,) = rollouts, updates
+    states = []
+    for traj in (t for group in groups for t in group):
+        for turns in range(0, traj.round_index, rt.args.macro_rounds):
+            _, text = critic_text(rt, traj.start, traj.messages[: 2 + 2 * turns], turns)  # system, user, 2 per turn
+            assert text.count("\nStep ") == turns
+            states.append((text, 1.0 if traj.won else 0.0))
+    assert {target for _, target in states} == {0.0, 1.0}  # won and lost trajectories
+    assert sorted(seen["critic"]) == sorted(text for text, _ in states for _ in range(4))
+
+    expected_advantages, estimates = [], []
+    for text, target in states:
+        values = pattern_values(seen, text, 4)
+        rewards = [-e / rt.args.r_max for e in tempo.critic_errors(values, target)]
+        advantages = [r - statistics.fmean(rewards) for r in rewards]
+        if not tempo.is_degenerate(advantages):
+            expected_advantages += advantages
+        if any(v is not None for v in values):
+            estimates.append((statistics.fmean(v for v in values if v is not None), target))
+    assert [trained_advantages(d)[0] for d in datums] == pytest.approx(expected_advantages)
+    corr = statistics.correlation([v for v, _ in estimates], [g for _, g in estimates])
+    assert metrics["critic/value_corr"] == pytest.approx(corr)
+    assert metrics["warmup/boundary_states"] == len(states) and metrics["critic/prompt_too_long_rate"] == 0
+    assert metrics["critic/value_target_mean"] == pytest.approx(statistics.fmean(g for _, g in states))
     assert samples and samples[0]["critic_reply"]
+
+
+def test_td_update_wiring_numbers(runtime, monkeypatch):
+    """Each actor datum's advantage is R_n - G of its group; an endpoint's value is the mean of its parsed
+    samples (0 when all fail); critic datums carry their centred rewards; the metrics are these numbers."""
+    rt = runtime(states_per_batch=3, branches=3, critic_samples=4, endpoint_samples=2)
+    rt.sample_fn, seen = scored_script(rt)
+    budgets = dict(horizon=2, max_episode_steps=4, max_turn_tokens=24, max_trajectory_tokens=4096)
+    (segment,) = common.rollout([rt.fresh_state()], 1, rt.sample_fn, rt.protocol, **budgets)
+    rt.store.add(segment[0].saved_state())  # at turn 2 of T = 4: its branches end terminal, worth 0
+    rollouts, updates = record_rollouts_and_updates(rt, monkeypatch)
+    metrics, _ = tempo.td_update(rt)
+    (groups,), (datums,) = rollouts, updates
+    expected = check_td_wiring(rt, seen, groups, datums)
+    assert expected["actor_datums"] > 0 and expected["endpoint_failures"] > 0
+    assert 0.0 in expected["endpoint_values"]  # an endpoint whose samples all failed is worth 0
+    assert expected["gaps"][0] == 0 and max(expected["gaps"]) > 0  # the gap is averaged over every group
+    assert metrics["critic/endpoint_parse_failures"] == expected["endpoint_failures"]
+    assert metrics["critic/endpoint_value_mean"] == pytest.approx(statistics.fmean(expected["endpoint_values"]))
+    assert metrics["actor/value_gap_zero_reward"] == pytest.approx(statistics.fmean(expected["gaps"]))
+    errors = [e for values, g in expected["critic"] for e in tempo.critic_errors(values, g)]
+    parsed = [abs(v - g) for values, g in expected["critic"] for v in values if v is not None]
+    assert metrics["critic/abs_error_mean"] == pytest.approx(statistics.fmean(errors))
+    assert metrics["critic/abs_error_parsed_mean"] == pytest.approx(statistics.fmean(parsed))
+    estimates = [
+        (statistics.fmean(v for v in vs if v is not None), g)
+        for vs, g in expected["critic"]
+        if any(v is not None for v in vs)
+    ]  # a state whose samples all failed has no estimate
+    corr = statistics.correlation([v for v, _ in estimates], [g for _, g in estimates])
+    assert metrics["critic/td_target_corr"] == pytest.approx(corr) and "critic/value_corr" not in metrics
+    assert metrics["critic/prompt_too_long_rate"] == 0 and metrics["td/new_endpoints"] == len(rt.store) == 6
+
+
+@pytest.mark.parametrize(
+    "log_ratio, weight", [(math.log(1.5), 1.5), (-math.log(1.5), 1 / 1.5), (3.0, 2.0), (-3.0, 0.5)]
+)
+def test_prefix_is_weight_is_clipped_both_ways_and_scales_the_actor_advantages(runtime, monkeypatch, log_ratio, weight):
+    rt = runtime(states_per_batch=1, branches=3, endpoint_samples=2, max_episode_steps=6, prefix_is_correction=True)
+    rt.sample_fn, seen = scored_script(rt)
+    budgets = dict(horizon=2, max_episode_steps=6, max_turn_tokens=24, max_trajectory_tokens=4096)
+    (first,) = common.rollout([rt.fresh_state()], 1, rt.sample_fn, rt.protocol, **budgets)
+    state = first[0].saved_state()
+    generated = sum(k >= 0 for k in state.prefix_step_ids)
+    # the sampling logprobs are the current policy's: shifting them sets log p_now - log p_old = log_ratio
+    state.prefix_logprobs = [
+        lp - log_ratio / generated if k >= 0 else lp for lp, k in zip(state.prefix_logprobs, state.prefix_step_ids)
+    ]
+    rt.store.add(state)
+    rollouts, updates = record_rollouts_and_updates(rt, monkeypatch)
+    metrics, _ = tempo.td_update(rt)
+    assert metrics["td/fresh_states"] == 0
+    assert metrics["td/prefix_is_weight_mean"] == pytest.approx(weight, rel=1e-3)
+    expected = check_td_wiring(rt, seen, rollouts[0], updates[0], weight=metrics["td/prefix_is_weight_mean"])
+    assert expected["actor_datums"] == 3
+
+
+def test_a_branch_truncated_by_the_token_budget_at_the_boundary_is_valued_and_not_stored(runtime, monkeypatch):
+    rt = runtime(states_per_batch=1, branches=2, endpoint_samples=2)
+    rt.sample_fn, seen = scored_script(rt, pick=lambda text, admissible, rng: admissible[0])  # deterministic
+    start = rt.fresh_state()
+    budgets = dict(horizon=2, max_episode_steps=4, max_turn_tokens=24, max_trajectory_tokens=4096)
+    (dry,) = common.rollout([start], 1, rt.sample_fn, rt.protocol, **budgets)
+    rt.args.max_trajectory_tokens = len(dry[0].tokens) + rt.args.max_turn_tokens - 1  # room for turn 2, not 3
+    rt.store.add(start)
+    rollouts, updates = record_rollouts_and_updates(rt, monkeypatch)
+    metrics, samples = tempo.td_update(rt)
+    ((a, b),) = rollouts[0]
+    assert a.stop_reason == b.stop_reason == common.STOP_HORIZON and not tempo.has_room(a, rt.args)
+    _, text = critic_text(rt, start, a.messages, a.round_index)
+    assert text in seen["pattern"] and metrics["critic/prompt_too_long_rate"] == 0  # valued by the critic...
+    value = statistics.fmean(pattern_values(seen, text, 2))
+    assert value > 0 and samples[0]["endpoint_value"] == pytest.approx(value)
+    assert metrics["critic/endpoint_value_mean"] == pytest.approx(value)
+    assert samples[0]["value_target"] == pytest.approx(value)  # G = 0 reward + V for both branches
+    assert metrics["actor/macro_boundary_rate"] == 1 and metrics["td/new_endpoints"] == 0 and len(rt.store) == 0
+
+
+def test_critic_prompts_over_budget_are_skipped_counted_and_never_sent(runtime):
+    rt = runtime(max_critic_tokens=4000)  # 96 tokens left for a critic prompt: none fits
+    rt.sample_fn, seen = scored_script(rt)
+    warmup, _ = tempo.warmup_update(rt)
+    assert warmup["critic/prompt_too_long_rate"] == 1 and warmup["warmup/boundary_states"] == 4
+    assert warmup["train/tokens"] == 0 and "critic/abs_error_mean" not in warmup
+    td, _ = tempo.td_update(rt)
+    assert td["critic/prompt_too_long_rate"] == 1 and td["critic/endpoint_value_mean"] == 0
+    assert td["critic/endpoint_parse_failures"] == 0 and td["td/new_endpoints"] == 0 and len(rt.store) == 0
+    assert not seen["critic"] and seen["actor"]
 
 
 # --------------------------------------------------------------------------------------------

@@ -75,11 +75,15 @@ TIMING_KEYS = re.compile(r"^time/|^prm/latency_")  # wall-clock metrics: never e
 
 
 def judge_endpoint(delay_s: float = 0.0) -> ScriptedEndpoint:
-    """GOOD/BAD per step from a hash of the request (the same request always gets the same labels), after delay_s."""
+    """GOOD/BAD alternating per step from a phase hashed from the request (the same request always gets the same
+    labels; a trajectory of 2+ steps never gets uniform ones, so the labels always train), after delay_s."""
 
     def behave(content, attempt):
+        if "STEPS (" not in content:  # adca_grpo's start-up check of the endpoint
+            return 200, "OK", delay_s
         steps = int(content.split("STEPS (")[1].split(" ")[0])
-        labels = [hashlib.sha256(f"{content}{j}".encode()).digest()[0] % 2 for j in range(steps)]
+        phase = hashlib.sha256(content.encode()).digest()[0]
+        labels = [(phase + j) % 2 for j in range(steps)]
         return (
             200,
             "\n".join(f"Step {j + 1} Judgment: {'GOOD' if good else 'BAD'}" for j, good in enumerate(labels)),
@@ -260,6 +264,7 @@ def test_checkpoint_round_trip_continues_exactly(name, games_root, tiny_model_di
             rt.optimizer,
             accelerator,
             datums,
+            module.policy_loss,
             temperature=1.0,
             pad_id=rt.tokenizer.pad_token_id,
             micro_batch_tokens=4096,
@@ -355,6 +360,15 @@ def corrupt_truncated_optimizer(checkpoint: Path):
     path.write_bytes(path.read_bytes()[:100])
 
 
+def corrupt_nan_adapter(checkpoint: Path):
+    """A well-formed safetensors file whose weights are all NaN (its header is kept: it opens fine)."""
+    path = checkpoint / "adapter_model.safetensors"
+    data = path.read_bytes()
+    start = 8 + int.from_bytes(data[:8], "little")
+    nan = torch.tensor([float("nan")], dtype=torch.float32).numpy().tobytes()
+    path.write_bytes(data[:start] + nan * ((len(data) - start) // 4))
+
+
 @pytest.mark.parametrize("name", SCRIPTS)
 @pytest.mark.parametrize(
     "corrupt, overrides, message",
@@ -362,6 +376,7 @@ def corrupt_truncated_optimizer(checkpoint: Path):
         (corrupt_truncated_adapter, {}, "corrupt or incomplete checkpoint"),
         (corrupt_garbage_state, {}, "corrupt or incomplete checkpoint"),
         (corrupt_truncated_optimizer, {}, "corrupt or incomplete checkpoint"),
+        (corrupt_nan_adapter, {}, "does not match the sha256"),
         (None, {"lora_rank": 8}, "--lora-rank 8 does not match"),
     ],
 )
@@ -401,6 +416,172 @@ def test_checkpoint_of_the_other_algorithm_fails_at_start(
 
 
 # =============================================================================================
+# --resume auto is per seed; flags that change what the run is must match it
+# =============================================================================================
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_resume_auto_is_per_seed_and_refuses_flags_that_change_the_run(
+    name, killed_job, games_root, tiny_model_dir, tmp_path, judge, capsys
+):
+    module = SCRIPTS[name]
+    _, run_dir, _ = killed_job(name)
+    runs = tmp_path / "runs"
+    copy = runs / run_dir.name
+    shutil.copytree(run_dir, copy)
+    exp_name = module.Args().exp_name
+    other_seed = runs / f"{exp_name}__7__9999999999"  # a newer run of another seed
+    shutil.copytree(run_dir, other_seed)
+    values = settings(name, games_root, tiny_model_dir, runs, judge.url, resume="auto")
+    assert module.find_checkpoint("auto", str(runs), exp_name, 0, "--resume") == checkpoints(copy)[-1]
+    assert module.find_checkpoint("auto", str(runs), exp_name, 7, "--resume") == checkpoints(other_seed)[-1]
+    assert module.find_checkpoint("auto", str(runs), exp_name, 2, "--resume") is None
+
+    # another seed has nothing to resume, and says so (this start then fails on purpose, at the data root)
+    with pytest.raises(module.StartupError, match="--data-root"):
+        module.main(module.Args(**{**values, "seed": 2, "data_root": str(tmp_path / "nowhere")}))
+    assert (
+        f"--resume auto: no checkpoint of a run {exp_name}__2__* in {runs}; starting a new run"
+        in capsys.readouterr().err
+    )
+
+    rows_before = (copy / "metrics.jsonl").read_text()
+    with pytest.raises(module.StartupError) as error:
+        module.main(module.Args(**{**values, "learning_rate": 0.5, "temperature": 0.7}))
+    assert str(copy / "config.json") in str(error.value)
+    assert "--learning-rate 0.5 (the run: 0.01); --temperature 0.7 (the run: 1.0)" in str(error.value)
+    assert (copy / "metrics.jsonl").read_text() == rows_before
+
+    # one more update, fewer threads and another micro-batch size: the same run, extended
+    more = (
+        {"td_updates": BUDGETS[name]["td_updates"] + 1} if name == "tempo" else {"num_updates": total_updates(name) + 1}
+    )
+    resumed = module.main(module.Args(**{**values, **more, "threads": 1, "micro_batch_tokens": 2048}))
+    assert resumed == copy and len(checkpoints(copy)) == total_updates(name) + 1
+    assert json.loads((copy / "config.json").read_text())["micro_batch_tokens"] == 2048
+
+
+# =============================================================================================
+# --eval-only evaluates the run as it was trained
+# =============================================================================================
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_eval_only_evaluates_the_run_as_trained(name, killed_job, tmp_path, judge):
+    """Only --eval-only and --output-dir given: model, data, budgets and eval games come from the run's config.json.
+    A flag still overrides, without training-only checks (tempo: 3 turns is no multiple of --macro-rounds 2)."""
+    module = SCRIPTS[name]
+    _, run_dir, _ = killed_job(name)
+    turns = "max_episode_steps" if name == "tempo" else "max_turns"
+    eval_dir = module.main(module.Args(eval_only=str(run_dir), output_dir=str(tmp_path), **{turns: 3}))
+    config, trained = (json.loads((d / "config.json").read_text()) for d in (eval_dir, run_dir))
+    assert config[turns] == 3 and config["eval_only"] == str(run_dir)
+    for key in ("model", "data_root", "seed", "exp_name", "max_turn_tokens", "max_trajectory_tokens", "eval_games"):
+        assert config[key] == trained[key], key
+    assert eval_dir.name.startswith(f"{trained['exp_name']}__0__")
+    (row,) = read_rows(eval_dir / "metrics.jsonl")
+    assert row["checkpoint"] == str(checkpoints(run_dir)[-1]) and "eval/valid_seen/success_rate" in row
+
+
+# =============================================================================================
+# Bad games fail at start, named; start-up errors are one line and exit 2; threads; launched process count
+# =============================================================================================
+@pytest.mark.parametrize("name", SCRIPTS)
+@pytest.mark.parametrize("split", ["train", "valid_unseen"])
+def test_bad_game_fails_at_start_naming_it(name, split, games_root, tiny_model_dir, tmp_path, judge):
+    """Valid JSON, PDDL missing a parenthesis: a training game, or an evaluation game of a run that evaluates."""
+    data_root = tmp_path / "games"
+    shutil.copytree(games_root, data_root)
+    module = SCRIPTS[name]
+    bad = common.eval_subset(data_root, split, None, 1)[0] if split != "train" else common.discover_games(data_root)[0]
+    data = json.loads(Path(bad).read_text())
+    Path(bad).write_text(json.dumps({**data, "pddl_problem": data["pddl_problem"].rstrip().removesuffix(")")}))
+    values = settings(name, games_root, tiny_model_dir, tmp_path / "runs", judge.url, data_root=str(data_root))
+    with pytest.raises(module.StartupError, match=re.escape(bad) + ".*Missing"):
+        module.main(module.Args(**{**values, "eval_every": 1}))
+    assert not list(tmp_path.glob("runs/*"))
+
+
+def test_config_records_the_data_root_used(games_root, tiny_model_dir, tmp_path, monkeypatch, judge):
+    """Without --data-root the run uses the offline game set; config.json (written from these args) says where."""
+    offline = tmp_path / "cache" / f"offline-games-n{common.DEFAULT_GAMES}-seed{common.DEFAULT_GAMES_SEED}"
+    offline.parent.mkdir()
+    offline.symlink_to(games_root)  # stands in for the generated set
+    monkeypatch.setattr(common, "DEFAULT_CACHE_DIR", tmp_path / "cache")
+    args = tempo.Args(**settings("tempo", games_root, tiny_model_dir, tmp_path / "runs", data_root=None))
+    args, _, _ = tempo.start(args, tempo.ALGORITHM, tempo.make_accelerator(), tempo.validate_args)
+    assert args.data_root == str(offline)
+
+
+def test_game_that_fails_to_load_mid_run_is_skipped_not_fatal(games_root, tiny_model_dir, tmp_path, judge, capfd):
+    """A broken grammar passes the start-up parse (grammars are parsed when a game first loads): the run skips that
+    game with a warning naming it, counts it, and finishes."""
+    data_root = tmp_path / "games"
+    shutil.copytree(games_root, data_root)
+    bad = common.discover_games(data_root, seed=0)[1]  # the second game adca_grpo's first update plays
+    data = json.loads(Path(bad).read_text())
+    Path(bad).write_text(json.dumps({**data, "grammar": data["grammar"].replace(";", "", 3)}))
+    with pytest.raises(common.BadGameError, match=re.escape(bad)):
+        common.load_game(bad)
+    values = settings("adca_grpo", games_root, tiny_model_dir, tmp_path / "runs", judge.url, data_root=str(data_root))
+    run_dir = adca_grpo.main(adca_grpo.Args(**{**values, "num_updates": 1, "save_every": 0}))
+    (row,) = read_rows(run_dir / "metrics.jsonl")
+    assert row["rollout/bad_games_skipped"] == 1 and row["prm/label_requests"] == 4  # two good games were played
+    assert f"skipped a game that does not load: {bad}" in capfd.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "script, flags, message",
+    [
+        ("tempo.py", ["--seed", "-1"], "error: --seed must be >= 0, got -1"),
+        (  # found while the runtime is built: the labeller's endpoint check
+            "adca_grpo.py",
+            ["--labeler-backend", "api", "--labeler-base-url", "http://127.0.0.1:9/v1", "--eval-every", "0"],
+            "error: --labeler-base-url http://127.0.0.1:9/v1: cannot reach the labeller",
+        ),
+    ],
+)
+def test_startup_error_prints_one_line_and_exits_2(script, flags, message, games_root, tiny_model_dir, tmp_path):
+    result = subprocess.run(
+        [sys.executable, str(ROOT / script), "--model", str(tiny_model_dir), "--data-root", str(games_root), *flags],
+        cwd=tmp_path,
+        env=job_env(DASHSCOPE_API_KEY="EMPTY"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert result.stderr.splitlines()[-1].startswith(message)
+
+
+def test_launch_that_runs_fewer_processes_than_asked_warns(tmp_path):
+    """On CPU, `accelerate launch --num_processes 2` without --multi_gpu runs one process: said at start."""
+    accelerate = str(Path(sys.executable).parent / "accelerate")
+    command = [accelerate, "launch", "--cpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no"]
+    result = subprocess.run(
+        [*command, "--dynamo_backend", "no", str(ROOT / "tempo.py"), "--model", "tiny", "--seed", "-1"],
+        cwd=tmp_path,
+        env=job_env(OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.stderr.count("launched for several processes but running ONE") == 1, result.stderr[-2000:]
+    assert "error: --seed must be >= 0" in result.stderr
+
+
+def test_threads_flag_default_and_oversubscription_warning(monkeypatch, capsys):
+    cores = len(os.sched_getaffinity(0))
+    try:
+        assert tempo.set_threads(tempo.Args(threads=2), 1) == 2 and torch.get_num_threads() == 2
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")
+        assert tempo.set_threads(tempo.Args(), 1) == 1 and torch.get_num_threads() == 1
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        assert tempo.set_threads(tempo.Args(), 2) == max(1, cores // 2)
+        capsys.readouterr()
+        assert tempo.set_threads(tempo.Args(), 4 * cores) == 1  # more local processes than cores
+        assert "oversubscribed" in capsys.readouterr().err
+    finally:
+        torch.set_num_threads(1)
+
+
+# =============================================================================================
 # Non-finite steps are skipped and counted
 # =============================================================================================
 @pytest.mark.parametrize("name", SCRIPTS)
@@ -431,6 +612,7 @@ def test_nonfinite_loss_skips_the_step(name, games_root, tiny_model_dir, tmp_pat
             rt.optimizer,
             accelerator,
             [datum],
+            module.policy_loss,
             temperature=1.0,
             pad_id=rt.tokenizer.pad_token_id,
             micro_batch_tokens=4096,
