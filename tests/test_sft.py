@@ -54,7 +54,13 @@ def test_critic_examples_use_tempos_prompt_and_answer_the_monte_carlo_return(all
     for j, example in enumerate(examples):
         round_index = 2 * j
         prompt = tempo.critic_prompt(
-            tokenizer, traj.start.task, walkthrough, traj.messages[: 2 + 2 * round_index], round_index, 6
+            tokenizer,
+            traj.start.task,
+            walkthrough,
+            traj.messages[: 2 + 2 * round_index],
+            round_index,
+            6,
+            args.critic_step_chars,
         )
         assert example.tokens[: len(prompt)] == prompt and not any(example.mask[: len(prompt)])
         reply = tokenizer.decode(example.tokens[len(prompt) :], skip_special_tokens=True)
