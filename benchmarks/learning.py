@@ -28,7 +28,6 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 
 import tyro
 
@@ -195,7 +194,7 @@ class Evaluator:
         model = AutoModelForCausalLM.from_pretrained(self.warm, dtype=torch.float32)
         if checkpoint is not None:
             model = PeftModel.from_pretrained(model, checkpoint).merge_and_unload()
-        sampling = SimpleNamespace(temperature=1.0, top_p=1.0, sample_batch_size=64)
+        sampling = adca_grpo.Args(temperature=1.0, top_p=1.0, sample_batch_size=64)
         result = {}
         for mode, branches in (("sampled", episodes), ("greedy", 1)):
             sample_fn = adca_grpo.make_sampler(
