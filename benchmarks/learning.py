@@ -72,6 +72,8 @@ class Args:
     """RL LoRA alpha"""
     threads: int = 1
     """torch threads of every stage"""
+    report_only: bool = False
+    """only rewrite the table and plots from results.json (e.g. after stopping a run part way)"""
 
 
 def log(message: str) -> None:
@@ -292,8 +294,12 @@ def plot(results: dict, out: Path, args: Args) -> None:
 
     tempo_runs = [r for r in results["runs"].values() if r["algorithm"] == "tempo"]
     if tempo_runs:
-        keys = ("critic/parse_failure_rate", "critic/abs_error_mean", "critic/value_corr", "rollout/success_rate")
-        fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3.2))
+        keys = (  # the critic's warm-up targets, then the README's four TD-phase signals
+            "critic/parse_failure_rate", "critic/abs_error_mean", "critic/value_corr", "critic/td_target_corr",
+            "actor/value_gap_zero_reward", "td/fresh_states", "td/restore_failures", "actor/degenerate_group_rate",
+        )  # fmt: skip
+        fig, axes = plt.subplots(2, 4, figsize=(16, 6.4))
+        axes = axes.flatten()
         for ax, key in zip(axes, keys):
             for r in tempo_runs:
                 rows = [m for m in r["metrics"] if key in m]
@@ -324,11 +330,13 @@ def main(args: Args) -> None:
     updates = args.quick_updates if args.quick else args.updates
     if args.quick:
         args = dataclasses.replace(args, eval_every=updates)
+    results_file = out / "results.json"
+    if args.report_only:
+        return report(json.loads(results_file.read_text()), out, args)
     games = games_root(cache)
     warm = warm_start(cache, games, args)
     game_files = common.discover_games(games, "train", TASK_TYPES)
     evaluate = Evaluator(warm, game_files, args)
-    results_file = out / "results.json"
     results = json.loads(results_file.read_text()) if results_file.is_file() else {"runs": {}}
     results["config"] = {**dataclasses.asdict(args), "games": game_files, "updates": updates, "seeds": list(seeds)}
 
@@ -361,6 +369,10 @@ def main(args: Args) -> None:
             entry["points"].append({**evaluate(checkpoint, args.eval_episodes), "update": update, "tokens": tokens})
             save()
             log(f"{key}: update {update}: sampled {success(entry['points'][-1]):.2f}")
+    report(results, out, args)
+
+
+def report(results: dict, out: Path, args: Args) -> None:
     table = summarise(results, args)
     plot(results, out, args)
     (out / "learning.md").write_text(table)

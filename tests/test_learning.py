@@ -4,6 +4,7 @@ import math
 import sys
 
 import pytest
+import torch
 from conftest import ROOT
 
 import adca_grpo
@@ -12,15 +13,15 @@ import common
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import learning  # noqa: E402
 
-UPDATES = 8
-EPISODES_PER_GAME = 16  # x 4 games = 64 sampled episodes per measurement
+UPDATES = 12
+EPISODES_PER_GAME = 32  # x 4 games = 128 sampled episodes per measurement
 
 
 @pytest.mark.slow
 def test_grpo_raises_sampled_success_from_a_warm_start(tmp_path):
     """From the learning benchmark's warm start (cached in ~/.cache/cleanrl-agents/learning-benchmark; built by
-    benchmarks/learning.py's stages when missing, ~10 min once), 8 plain-GRPO updates through adca_grpo.py's own
-    main() raise sampled (T=1) success on the 4 training games by more than 3 standard errors (64 episodes before
+    benchmarks/learning.py's stages when missing, ~10 min once), 12 plain-GRPO updates through adca_grpo.py's own
+    main() raise sampled (T=1) success on the 4 training games by more than 3 standard errors (128 episodes before
     and after). It fails when the advantage sign is flipped (tried once: group_outcome_advantages returning
     -advantage made the success fall instead), or when the update does not reach the policy."""
     bench = learning.Args()
@@ -28,6 +29,7 @@ def test_grpo_raises_sampled_success_from_a_warm_start(tmp_path):
     games = learning.games_root(cache)
     warm = learning.warm_start(cache, games, bench)
     evaluate = learning.Evaluator(warm, common.discover_games(games, "train", learning.TASK_TYPES), bench)
+    torch.manual_seed(0)
     before = learning.success(evaluate(None, EPISODES_PER_GAME))
 
     args = adca_grpo.Args(
@@ -51,6 +53,7 @@ def test_grpo_raises_sampled_success_from_a_warm_start(tmp_path):
         seed=1,
     )
     run_dir = adca_grpo.main(args)
+    torch.manual_seed(0)
     after = learning.success(evaluate(run_dir / "checkpoints" / f"update_{UPDATES:06d}", EPISODES_PER_GAME))
 
     n = 4 * EPISODES_PER_GAME
