@@ -222,7 +222,7 @@ def success(point: dict, mode: str = "sampled") -> float:
 def summarise(results: dict, args: Args) -> str:
     start = results["start"]
     s0, n0 = success(start), len(start["sampled"]) * start["episodes"]
-    grpo_final = None
+    grpo_final = grpo_tokens = None
     rows = []
     for name in args.algorithms:
         runs = [r for r in results["runs"].values() if r["algorithm"] == name and r["points"]]
@@ -238,6 +238,7 @@ def summarise(results: dict, args: Args) -> str:
         half = 1.96 * math.sqrt(max(spread, binomial) + s0 * (1 - s0) / n0)
         if name == "grpo":
             grpo_final = mean_end
+            grpo_tokens = statistics.fmean(r["points"][-1]["tokens"] for r in runs)
         rows.append((name, runs, finals, greedy, mean_end, half))
     lines = [
         "| algorithm | seeds | start (sampled) | end (sampled, mean ± std) | change [95% interval] | end greedy | "
@@ -250,7 +251,7 @@ def summarise(results: dict, args: Args) -> str:
         if grpo_final is not None:
             curve = mean_curve(runs)
             hit = next((t for t, s, _ in curve if s >= grpo_final), None)
-            reach = f"{hit:,.0f} ({hit / tokens:.0%})" if hit is not None else "not reached"
+            reach = f"{hit:,.0f} ({hit / grpo_tokens:.0%} of GRPO's)" if hit is not None else "not reached"
         std = statistics.stdev(finals) if len(finals) > 1 else 0.0
         change = mean_end - s0
         lines.append(

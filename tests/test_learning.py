@@ -58,4 +58,6 @@ def test_grpo_raises_sampled_success_from_a_warm_start(tmp_path):
 
     n = 4 * EPISODES_PER_GAME
     standard_error = math.sqrt((before * (1 - before) + after * (1 - after)) / n)
-    assert after - before > 3 * standard_error, f"sampled success {before:.2f} -> {after:.2f} (se {standard_error:.3f})"
+    summary = f"sampled success {before:.2f} -> {after:.2f} (se {standard_error:.3f})"
+    print(summary)  # shown with pytest -rA
+    assert after - before > 3 * standard_error, summary
