@@ -22,8 +22,8 @@ def test_grpo_raises_sampled_success_from_a_warm_start(tmp_path):
     """From the learning benchmark's warm start (cached in ~/.cache/cleanrl-agents/learning-benchmark; built by
     benchmarks/learning.py's stages when missing, ~10 min once), 12 plain-GRPO updates through adca_grpo.py's own
     main() raise sampled (T=1) success on the 4 training games by more than 3 standard errors (128 episodes before
-    and after). It fails when the advantage sign is flipped (tried once: group_outcome_advantages returning
-    -advantage made the success fall instead), or when the update does not reach the policy."""
+    and after). It fails when the advantage sign is flipped (tried once: grpo_advantages returning
+    -advantage took the success from 0.21 to 0.09 and failed), or when the update does not reach the policy."""
     bench = learning.Args()
     cache = common.DEFAULT_CACHE_DIR / "learning-benchmark"
     games = learning.games_root(cache)
