@@ -840,10 +840,10 @@ def label_trajectories(
             flags[i] = [orm_scores[i] > 0] * len(traj.steps)
     latencies.sort()
     metrics = {
-        "prm/label_requests": float(len(requests)),
-        "prm/label_failures": float(failures),
-        "prm/parse_failures": float(parse_failures),
-        "prm/skipped": float(skipped),
+        "prm/label_requests": Count(len(requests)),
+        "prm/label_failures": Count(failures),
+        "prm/parse_failures": Count(parse_failures),
+        "prm/skipped": Count(skipped),
         "prm/good_rate": judged_good / judged_steps if judged_steps else 0.0,
         "prm/pos_traj_good_rate": sum(good_in_won) / len(good_in_won) if good_in_won else 0.0,
         "prm/neg_traj_bad_rate": sum(bad_in_lost) / len(bad_in_lost) if bad_in_lost else 0.0,
@@ -897,10 +897,10 @@ def oracle_labeler(
         flags.append([overall > 0] * len(traj.steps) if skip else oracle_step_flags(traj))
         judged += [] if skip else flags[-1]
     metrics = {
-        "prm/label_requests": float(sum(1 for t in trajectories if t.steps) - skipped),
-        "prm/label_failures": 0.0,
-        "prm/parse_failures": 0.0,
-        "prm/skipped": float(skipped),
+        "prm/label_requests": Count(sum(1 for t in trajectories if t.steps) - skipped),
+        "prm/label_failures": Count(0),
+        "prm/parse_failures": Count(0),
+        "prm/skipped": Count(skipped),
         "prm/good_rate": sum(judged) / len(judged) if judged else 0.0,
     }
     return flags, metrics
@@ -1050,17 +1050,14 @@ class Runtime:
     bad_games: int = 0  # games skipped since the last metrics row (rollout/bad_games_skipped)
 
     def fresh_state(self) -> common.SavedState:
-        """The next training game from its start (games cycle in their shuffled order). A game that passed the
-        start-up parse but does not load is skipped, named on stderr and counted: a bad game never ends the run."""
-        for _ in self.games:
-            game = self.games[self.game_cursor % len(self.games)]
-            self.game_cursor += 1
-            try:
-                return common.fresh_state(game, self.protocol, seed=self.game_cursor)
-            except common.BadGameError as error:
-                self.bad_games += 1
-                print(f"[games] WARNING: skipped a game that does not load: {error}", file=sys.stderr)
-        raise RuntimeError(f"none of this process's {len(self.games)} training games loads")
+        return next_fresh_state(self)
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps of this process."""
+        return {"game_cursor": self.game_cursor}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.game_cursor = state["game_cursor"]
 
 
 def make_runtime(args: Args, accelerator) -> Runtime:
@@ -1116,10 +1113,10 @@ def rollout_metrics(trajectories: Sequence[common.Trajectory], groups: Sequence[
         "rollout/steps": len(steps) / max(1, len(trajectories)),
         "rollout/valid_format_rate": sum(s.valid for s in steps) / max(1, len(steps)),
         "rollout/admissible_rate": sum(s.admissible for s in steps) / max(1, len(steps)),
-        "rollout/generated_tokens": float(sum(len(s.completion_tokens) for s in steps)),
-        "rollout/groups_all_won": float(sum(o == {True} for o in outcomes)),
-        "rollout/groups_all_lost": float(sum(o == {False} for o in outcomes)),
-        "rollout/restore_failures": float(sum(not group for group in groups)),
+        "rollout/generated_tokens": Count(sum(len(s.completion_tokens) for s in steps)),
+        "rollout/groups_all_won": Count(sum(o == {True} for o in outcomes)),
+        "rollout/groups_all_lost": Count(sum(o == {False} for o in outcomes)),
+        "rollout/restore_failures": Count(sum(not group for group in groups)),
     }
 
 
@@ -1276,19 +1273,8 @@ def adca_update(rt: Runtime, update: int) -> tuple[dict, list[dict]]:
 
 
 # =============================================================================================
-# Main: set-up, resume, updates, checkpoints, evaluation
+# Main: the updates (the job around them, resume and checkpoints, is train() in the plumbing below)
 # =============================================================================================
-SUM_KEYS = (
-    "rollout/bad_games_skipped",
-    "prm/label_requests",
-    "prm/label_failures",
-    "prm/parse_failures",
-    "prm/skipped",
-    "rollout/generated_tokens",
-    "rollout/groups_all_won",
-    "rollout/groups_all_lost",
-    "rollout/restore_failures",
-)
 # Flags that only extend a run, or change how the labeller is reached rather than who labels.
 RESUME_MAY_CHANGE = (
     "num_updates",
@@ -1310,67 +1296,17 @@ POSTFIX_KEYS = ("rollout/success_rate", "prm/good_rate", "prm/label_failures", "
 
 def main(args: Args) -> Path:
     """Train (or evaluate, with --eval-only); returns the run directory."""
-    accelerator = make_accelerator()
-    try:
-        args, checkpoint, trainer_state = start(args, ALGORITHM, accelerator, validate_args, RESUME_MAY_CHANGE)
-        return _run(args, accelerator, checkpoint, trainer_state)
-    finally:
-        close_distributed()
+    with training_job(args, ALGORITHM, validate_args, RESUME_MAY_CHANGE) as (args, accelerator, checkpoint, state):
+        with starting():  # labeller and sampler endpoint checks
+            rt = make_runtime(args, accelerator)
+        if checkpoint is not None and rt.label_log is not None:
+            drop_rows_after(rt.label_log, state["update"])  # a resumed update labels again
+        labeler = labeler_backend(args) if rt.labeler is not None else "none"
 
+        def one_update(rt: Runtime, update: int) -> tuple[dict, list[dict], dict]:
+            return *adca_update(rt, update), {"labeler": labeler}
 
-def _run(args: Args, accelerator, checkpoint: Path | None, trainer_state: dict | None) -> Path:
-    seed_everything(args.seed + accelerator.process_index)
-    with starting():  # labeller and sampler endpoint checks
-        rt = make_runtime(args, accelerator)
-    eval_kwargs = dict(
-        data_root=rt.data_root,
-        task_types=args.task_types,
-        eval_games=args.eval_games,
-        max_episode_steps=args.max_turns,
-        max_turn_tokens=args.max_turn_tokens,
-        max_trajectory_tokens=args.max_trajectory_tokens,
-    )
-    if args.eval_only:
-        return evaluate_checkpoint(
-            args, checkpoint, trainer_state, rt.model, rt.greedy_fn, rt.protocol, accelerator, eval_kwargs
-        )
-
-    done = trainer_state["update"] if checkpoint is not None else 0
-    run_dir = checkpoint.parent.parent if checkpoint is not None else new_run_dir(args)
-    logger = RunLogger(args, run_dir, accelerator, args.num_updates, done, POSTFIX_KEYS)
-    rt.on_turn = logger.on_turn
-    if checkpoint is not None:
-        rt.game_cursor = trainer_state["rank_states"][accelerator.process_index]["game_cursor"]
-        if rt.label_log is not None:
-            drop_rows_after(rt.label_log, done)
-        load_checkpoint(
-            checkpoint, rt.model, rt.optimizer, accelerator
-        )  # last: the RNG states as they were at the save
-        if accelerator.is_main_process:
-            print(f"resumed {checkpoint} (update {done} of {args.num_updates})", file=sys.stderr)
-
-    labeler_name = labeler_backend(args) if rt.labeler is not None else "none"
-    for update in range(done + 1, args.num_updates + 1):
-        metrics, samples = adca_update(rt, update)
-        metrics["rollout/bad_games_skipped"], rt.bad_games = float(rt.bad_games), 0
-        metrics = reduce_metrics(accelerator, metrics, SUM_KEYS)
-        last = update == args.num_updates
-        if args.eval_every and args.eval_games and (last or update % args.eval_every == 0):
-            metrics.update(evaluate(rt.greedy_fn, rt.protocol, accelerator, **eval_kwargs, on_turn=logger.on_turn))
-        logger.log(update, {"labeler": labeler_name, **metrics}, samples)
-        if last or (args.save_every and update % args.save_every == 0):
-            save_checkpoint(
-                run_dir,
-                update,
-                rt.model,
-                rt.optimizer,
-                accelerator,
-                ALGORITHM,
-                {"labeler": labeler_name},
-                {"game_cursor": rt.game_cursor},
-            )
-    logger.close()
-    return run_dir
+        return train(rt, ALGORITHM, checkpoint, state, args.num_updates, one_update, args.max_turns, POSTFIX_KEYS)
 
 
 # ===== model side: identical in tempo.py and adca_grpo.py =====
@@ -1984,16 +1920,23 @@ def train_step(
     }
 
 
-def reduce_metrics(accelerator, metrics: dict, sum_keys: Sequence[str] = ()) -> dict:
-    """Metrics of all processes: counts in sum_keys are summed, everything else averaged over the
-    processes that report it."""
+class Count(float):
+    """A metric that counts something: summed over the processes, where every other metric is averaged."""
+
+
+def reduce_metrics(accelerator, metrics: dict) -> dict:
+    """Metrics of all processes: a Count is summed, everything else averaged over the processes that report it.
+    An int (or bool) metric is refused: a count must say that it is one, or it would be averaged silently."""
     from accelerate.utils import gather_object
 
+    for key, value in metrics.items():
+        if isinstance(value, int):
+            raise TypeError(f"metric {key} is an int: make it Count(...) (summed over processes) or a float (averaged)")
     per_rank = gather_object([metrics]) if accelerator.num_processes > 1 else [metrics]
     merged = {}
     for key in dict.fromkeys(k for m in per_rank for k in m):
         values = [m[key] for m in per_rank if key in m]
-        merged[key] = sum(values) if key in sum_keys else sum(values) / len(values)
+        merged[key] = sum(values) if isinstance(values[0], Count) else sum(values) / len(values)
     return merged
 
 
@@ -2473,6 +2416,76 @@ def close_distributed() -> None:
     """Two-process CPU runs have hung at exit without this."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+
+
+@contextlib.contextmanager
+def training_job(args, algorithm: str, validate_args, resume_may_change: Sequence[str] = ()):
+    """The accelerator, start-up checks (start) and seeds around a run; yields (args as the run uses them,
+    accelerator, checkpoint to resume or evaluate or None, its trainer state or None)."""
+    accelerator = make_accelerator()
+    try:
+        args, checkpoint, trainer_state = start(args, algorithm, accelerator, validate_args, resume_may_change)
+        seed_everything(args.seed + accelerator.process_index)
+        yield args, accelerator, checkpoint, trainer_state
+    finally:
+        close_distributed()
+
+
+def next_fresh_state(rt) -> common.SavedState:
+    """The next of rt.games from its start (games cycle in their shuffled order). A game that passed the start-up
+    parse but does not load is skipped, named on stderr and counted (rt.bad_games): a bad game never ends the run."""
+    for _ in rt.games:
+        game = rt.games[rt.game_cursor % len(rt.games)]
+        rt.game_cursor += 1
+        try:
+            return common.fresh_state(game, rt.protocol, seed=rt.game_cursor)
+        except common.BadGameError as error:
+            rt.bad_games += 1
+            print(f"[games] WARNING: skipped a game that does not load: {error}", file=sys.stderr)
+    raise RuntimeError(f"none of this process's {len(rt.games)} training games loads")
+
+
+def train(rt, algorithm: str, checkpoint, trainer_state, total_updates: int, one_update, eval_steps: int, postfix_keys):
+    """The job around an algorithm's updates: --eval-only, or resume (rt.load_state_dict, then model, optimizer
+    and RNGs), then per update: one_update(rt, update) -> (metrics, samples, tags), metrics reduced over the
+    processes, evaluation every --eval-every, a metrics row (with the tags) and a checkpoint (tags and every
+    process's rt.state_dict()). Returns the run directory."""
+    args, accelerator = rt.args, rt.accelerator
+    eval_kwargs = dict(
+        data_root=rt.data_root,
+        task_types=args.task_types,
+        eval_games=args.eval_games,
+        max_episode_steps=eval_steps,
+        max_turn_tokens=args.max_turn_tokens,
+        max_trajectory_tokens=args.max_trajectory_tokens,
+    )
+    if args.eval_only:
+        return evaluate_checkpoint(
+            args, checkpoint, trainer_state, rt.model, rt.greedy_fn, rt.protocol, accelerator, eval_kwargs
+        )
+
+    done = trainer_state["update"] if checkpoint is not None else 0
+    run_dir = checkpoint.parent.parent if checkpoint is not None else new_run_dir(args)
+    logger = RunLogger(args, run_dir, accelerator, total_updates, done, postfix_keys)
+    rt.on_turn = logger.on_turn
+    if checkpoint is not None:
+        rt.load_state_dict(trainer_state["rank_states"][accelerator.process_index])
+        load_checkpoint(checkpoint, rt.model, rt.optimizer, accelerator)  # last: the RNG states as they were saved
+        if accelerator.is_main_process:
+            print(f"resumed {checkpoint} (update {done} of {total_updates})", file=sys.stderr)
+
+    for update in range(done + 1, total_updates + 1):
+        metrics, samples, tags = one_update(rt, update)
+        metrics["rollout/bad_games_skipped"], rt.bad_games = Count(rt.bad_games), 0
+        metrics = reduce_metrics(accelerator, metrics)
+        last = update == total_updates
+        if args.eval_every and args.eval_games and (last or update % args.eval_every == 0):
+            metrics.update(evaluate(rt.greedy_fn, rt.protocol, accelerator, **eval_kwargs, on_turn=logger.on_turn))
+        logger.log(update, {**tags, **metrics}, samples)
+        if last or (args.save_every and update % args.save_every == 0):
+            save_checkpoint(run_dir, update, rt.model, rt.optimizer, accelerator, algorithm, tags, rt.state_dict())
+    logger.close()
+    return run_dir
 
 
 # ===== end model side =====

@@ -398,6 +398,7 @@ class Runtime:
     optimizer: object
     protocol: common.ChatProtocol
     sample_fn: common.SampleFn
+    greedy_fn: common.SampleFn
     data_root: str
     games: list[str]  # this process's shard of the training games, shuffled with the seed
     store: StateStore
@@ -407,17 +408,21 @@ class Runtime:
     bad_games: int = 0  # games skipped since the last metrics row (rollout/bad_games_skipped)
 
     def fresh_state(self) -> common.SavedState:
-        """The next training game from its start (games cycle in their shuffled order). A game that passed the
-        start-up parse but does not load is skipped, named on stderr and counted: a bad game never ends the run."""
-        for _ in self.games:
-            game = self.games[self.game_cursor % len(self.games)]
-            self.game_cursor += 1
-            try:
-                return common.fresh_state(game, self.protocol, seed=self.game_cursor)
-            except common.BadGameError as error:
-                self.bad_games += 1
-                print(f"[games] WARNING: skipped a game that does not load: {error}", file=sys.stderr)
-        raise RuntimeError(f"none of this process's {len(self.games)} training games loads")
+        return next_fresh_state(self)
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps of this process: the game cursor, the store and its sampling RNG."""
+        return {
+            "game_cursor": self.game_cursor,
+            "rng": list(self.rng.getstate()),
+            "store": [s.to_json() for s in self.store.states],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.game_cursor = state["game_cursor"]
+        self.rng.setstate((state["rng"][0], tuple(state["rng"][1]), state["rng"][2]))
+        for saved in state["store"]:
+            self.store.add(common.SavedState.from_json(saved))
 
     def critic_prompt(self, game_file: str, task: str, messages, round_index: int) -> list[int] | None:
         """The critic prompt of a state; None when it leaves no room for a reply in --max-trajectory-tokens
@@ -453,7 +458,7 @@ def rollout_metrics(trajectories: Sequence[common.Trajectory]) -> dict:
         "rollout/admissible_rate": sum(s.admissible for s in steps) / max(1, len(steps)),
         "rollout/steps": len(steps) / len(trajectories),
         "rollout/success_rate": sum(t.won for t in trajectories) / len(trajectories),
-        "rollout/generated_tokens": float(sum(len(s.completion_tokens) for s in steps)),
+        "rollout/generated_tokens": Count(sum(len(s.completion_tokens) for s in steps)),
     }
 
 
@@ -551,7 +556,7 @@ def warmup_update(rt: Runtime) -> tuple[dict, list[dict]]:
     metrics.update(
         {
             "warmup/success_rate": sum(t.won for t in trajectories) / max(1, len(trajectories)),
-            "warmup/boundary_states": float(len(boundary_states) + too_long),
+            "warmup/boundary_states": Count(len(boundary_states) + too_long),
             "critic/prompt_too_long_rate": too_long / max(1, len(boundary_states) + too_long),
             "critic/value_target_mean": statistics.fmean(targets) if targets else 0.0,
             "critic/value_target_std": statistics.pstdev(targets) if targets else 0.0,
@@ -703,7 +708,7 @@ def td_update(rt: Runtime) -> tuple[dict, list[dict]]:
     critic_prompts = endpoint_prompts + start_prompts
     metrics.update(
         {
-            "critic/endpoint_parse_failures": float(endpoint_failures),
+            "critic/endpoint_parse_failures": Count(endpoint_failures),
             "critic/prompt_too_long_rate": sum(p is None for p in critic_prompts) / max(1, len(critic_prompts)),
             "critic/value_target_mean": statistics.fmean(value_targets) if value_targets else 0.0,
             "critic/value_target_std": statistics.pstdev(value_targets) if value_targets else 0.0,
@@ -712,11 +717,11 @@ def td_update(rt: Runtime) -> tuple[dict, list[dict]]:
             "actor/degenerate_group_rate": degenerate_actor / max(1, len(live)),
             "actor/macro_boundary_rate": len(endpoints) / max(1, len(trajectories)),
             "actor/value_gap_zero_reward": statistics.fmean(zero_reward_gaps) if zero_reward_gaps else 0.0,
-            "td/store_size": float(len(rt.store)),
-            "td/fresh_states": float(fresh),
-            "td/new_endpoints": float(len(stored)),
+            "td/store_size": Count(len(rt.store)),
+            "td/fresh_states": Count(fresh),
+            "td/new_endpoints": Count(len(stored)),
             "td/macro_index_mean": macro_index_mean,
-            "td/restore_failures": float(restore_failures),
+            "td/restore_failures": Count(restore_failures),
             "time/rollout": t_rollout - t0,
             "time/critic": t_critic - t_rollout,
             "time/update": t_update - t_critic,
@@ -726,35 +731,15 @@ def td_update(rt: Runtime) -> tuple[dict, list[dict]]:
 
 
 # =============================================================================================
-# Main: set-up, resume, the two phases, checkpoints, evaluation
+# Main: warm-up updates, then TD updates (the job around them, resume and checkpoints, is train() in the plumbing below)
 # =============================================================================================
-SUM_KEYS = (
-    "rollout/bad_games_skipped",
-    "td/store_size",
-    "td/fresh_states",
-    "td/new_endpoints",
-    "td/restore_failures",
-    "critic/endpoint_parse_failures",
-    "warmup/boundary_states",
-    "rollout/generated_tokens",
-)
 RESUME_MAY_CHANGE = ("td_updates",)  # flags that only extend a run
 POSTFIX_KEYS = ("critic/abs_error_mean", "critic/value_corr", "rollout/success_rate", "td/fresh_states", "train/loss")
 
 
-def main(args: Args) -> Path:
-    """Train (or evaluate, with --eval-only); returns the run directory."""
-    accelerator = make_accelerator()
-    try:
-        args, checkpoint, trainer_state = start(args, ALGORITHM, accelerator, validate_args, RESUME_MAY_CHANGE)
-        return _run(args, accelerator, checkpoint, trainer_state)
-    finally:
-        close_distributed()
-
-
 def make_runtime(args: Args, accelerator) -> Runtime:
     """This process's shard of the training games (checked before the model loads), model, optimizer, chat
-    protocol, sampler and an empty state store."""
+    protocol, samplers and an empty state store."""
     data_root, games = training_games(args, accelerator)
     tokenizer, model, optimizer = load_model(args, accelerator)
     return Runtime(
@@ -765,6 +750,7 @@ def make_runtime(args: Args, accelerator) -> Runtime:
         optimizer,
         common.ChatProtocol(tokenizer),
         make_sampler(model, tokenizer, accelerator, args),
+        make_sampler(model, tokenizer, accelerator, args, greedy=True),
         data_root,
         games,
         StateStore(args.state_store_capacity),
@@ -772,61 +758,19 @@ def make_runtime(args: Args, accelerator) -> Runtime:
     )
 
 
-def _run(args: Args, accelerator, checkpoint: Path | None, trainer_state: dict | None) -> Path:
-    seed_everything(args.seed + accelerator.process_index)
-    with starting():  # endpoint checks
-        rt = make_runtime(args, accelerator)
-        greedy_fn = make_sampler(rt.model, rt.tokenizer, accelerator, args, greedy=True)
-    eval_kwargs = dict(
-        data_root=rt.data_root,
-        task_types=args.task_types,
-        eval_games=args.eval_games,
-        max_episode_steps=args.max_episode_steps,
-        max_turn_tokens=args.max_turn_tokens,
-        max_trajectory_tokens=args.max_trajectory_tokens,
-    )
-    if args.eval_only:
-        return evaluate_checkpoint(
-            args, checkpoint, trainer_state, rt.model, greedy_fn, rt.protocol, accelerator, eval_kwargs
-        )
+def one_update(rt: Runtime, update: int) -> tuple[dict, list[dict], dict]:
+    phase = "warmup" if update <= rt.args.warmup_updates else "td"
+    metrics, samples = warmup_update(rt) if phase == "warmup" else td_update(rt)
+    return metrics, samples, {"phase": phase}
 
-    total_updates = args.warmup_updates + args.td_updates
-    done = trainer_state["update"] if checkpoint is not None else 0
-    run_dir = checkpoint.parent.parent if checkpoint is not None else new_run_dir(args)
-    logger = RunLogger(args, run_dir, accelerator, total_updates, done, POSTFIX_KEYS)
-    rt.on_turn = logger.on_turn
-    if checkpoint is not None:
-        rank_state = trainer_state["rank_states"][accelerator.process_index]
-        rt.game_cursor = rank_state["game_cursor"]
-        rt.rng.setstate((rank_state["rng"][0], tuple(rank_state["rng"][1]), rank_state["rng"][2]))
-        for state in rank_state["store"]:
-            rt.store.add(common.SavedState.from_json(state))
-        load_checkpoint(
-            checkpoint, rt.model, rt.optimizer, accelerator
-        )  # last: the RNG states as they were at the save
-        if accelerator.is_main_process:
-            print(f"resumed {checkpoint} (update {done} of {total_updates})", file=sys.stderr)
 
-    for update in range(done + 1, total_updates + 1):
-        phase = "warmup" if update <= args.warmup_updates else "td"
-        metrics, samples = warmup_update(rt) if phase == "warmup" else td_update(rt)
-        metrics["rollout/bad_games_skipped"], rt.bad_games = float(rt.bad_games), 0
-        metrics = reduce_metrics(accelerator, metrics, SUM_KEYS)
-        last = update == total_updates
-        if args.eval_every and args.eval_games and (last or update % args.eval_every == 0):
-            metrics.update(evaluate(greedy_fn, rt.protocol, accelerator, **eval_kwargs, on_turn=logger.on_turn))
-        logger.log(update, {"phase": phase, **metrics}, samples)
-        if last or (args.save_every and update % args.save_every == 0):
-            rank_state = {
-                "game_cursor": rt.game_cursor,
-                "rng": list(rt.rng.getstate()),
-                "store": [s.to_json() for s in rt.store.states],
-            }
-            save_checkpoint(
-                run_dir, update, rt.model, rt.optimizer, accelerator, ALGORITHM, {"phase": phase}, rank_state
-            )
-    logger.close()
-    return run_dir
+def main(args: Args) -> Path:
+    """Train (or evaluate, with --eval-only); returns the run directory."""
+    with training_job(args, ALGORITHM, validate_args, RESUME_MAY_CHANGE) as (args, accelerator, checkpoint, state):
+        with starting():  # endpoint checks
+            rt = make_runtime(args, accelerator)
+        total_updates = args.warmup_updates + args.td_updates
+        return train(rt, ALGORITHM, checkpoint, state, total_updates, one_update, args.max_episode_steps, POSTFIX_KEYS)
 
 
 # ===== model side: identical in tempo.py and adca_grpo.py =====
@@ -1440,16 +1384,23 @@ def train_step(
     }
 
 
-def reduce_metrics(accelerator, metrics: dict, sum_keys: Sequence[str] = ()) -> dict:
-    """Metrics of all processes: counts in sum_keys are summed, everything else averaged over the
-    processes that report it."""
+class Count(float):
+    """A metric that counts something: summed over the processes, where every other metric is averaged."""
+
+
+def reduce_metrics(accelerator, metrics: dict) -> dict:
+    """Metrics of all processes: a Count is summed, everything else averaged over the processes that report it.
+    An int (or bool) metric is refused: a count must say that it is one, or it would be averaged silently."""
     from accelerate.utils import gather_object
 
+    for key, value in metrics.items():
+        if isinstance(value, int):
+            raise TypeError(f"metric {key} is an int: make it Count(...) (summed over processes) or a float (averaged)")
     per_rank = gather_object([metrics]) if accelerator.num_processes > 1 else [metrics]
     merged = {}
     for key in dict.fromkeys(k for m in per_rank for k in m):
         values = [m[key] for m in per_rank if key in m]
-        merged[key] = sum(values) if key in sum_keys else sum(values) / len(values)
+        merged[key] = sum(values) if isinstance(values[0], Count) else sum(values) / len(values)
     return merged
 
 
@@ -1929,6 +1880,76 @@ def close_distributed() -> None:
     """Two-process CPU runs have hung at exit without this."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+
+
+@contextlib.contextmanager
+def training_job(args, algorithm: str, validate_args, resume_may_change: Sequence[str] = ()):
+    """The accelerator, start-up checks (start) and seeds around a run; yields (args as the run uses them,
+    accelerator, checkpoint to resume or evaluate or None, its trainer state or None)."""
+    accelerator = make_accelerator()
+    try:
+        args, checkpoint, trainer_state = start(args, algorithm, accelerator, validate_args, resume_may_change)
+        seed_everything(args.seed + accelerator.process_index)
+        yield args, accelerator, checkpoint, trainer_state
+    finally:
+        close_distributed()
+
+
+def next_fresh_state(rt) -> common.SavedState:
+    """The next of rt.games from its start (games cycle in their shuffled order). A game that passed the start-up
+    parse but does not load is skipped, named on stderr and counted (rt.bad_games): a bad game never ends the run."""
+    for _ in rt.games:
+        game = rt.games[rt.game_cursor % len(rt.games)]
+        rt.game_cursor += 1
+        try:
+            return common.fresh_state(game, rt.protocol, seed=rt.game_cursor)
+        except common.BadGameError as error:
+            rt.bad_games += 1
+            print(f"[games] WARNING: skipped a game that does not load: {error}", file=sys.stderr)
+    raise RuntimeError(f"none of this process's {len(rt.games)} training games loads")
+
+
+def train(rt, algorithm: str, checkpoint, trainer_state, total_updates: int, one_update, eval_steps: int, postfix_keys):
+    """The job around an algorithm's updates: --eval-only, or resume (rt.load_state_dict, then model, optimizer
+    and RNGs), then per update: one_update(rt, update) -> (metrics, samples, tags), metrics reduced over the
+    processes, evaluation every --eval-every, a metrics row (with the tags) and a checkpoint (tags and every
+    process's rt.state_dict()). Returns the run directory."""
+    args, accelerator = rt.args, rt.accelerator
+    eval_kwargs = dict(
+        data_root=rt.data_root,
+        task_types=args.task_types,
+        eval_games=args.eval_games,
+        max_episode_steps=eval_steps,
+        max_turn_tokens=args.max_turn_tokens,
+        max_trajectory_tokens=args.max_trajectory_tokens,
+    )
+    if args.eval_only:
+        return evaluate_checkpoint(
+            args, checkpoint, trainer_state, rt.model, rt.greedy_fn, rt.protocol, accelerator, eval_kwargs
+        )
+
+    done = trainer_state["update"] if checkpoint is not None else 0
+    run_dir = checkpoint.parent.parent if checkpoint is not None else new_run_dir(args)
+    logger = RunLogger(args, run_dir, accelerator, total_updates, done, postfix_keys)
+    rt.on_turn = logger.on_turn
+    if checkpoint is not None:
+        rt.load_state_dict(trainer_state["rank_states"][accelerator.process_index])
+        load_checkpoint(checkpoint, rt.model, rt.optimizer, accelerator)  # last: the RNG states as they were saved
+        if accelerator.is_main_process:
+            print(f"resumed {checkpoint} (update {done} of {total_updates})", file=sys.stderr)
+
+    for update in range(done + 1, total_updates + 1):
+        metrics, samples, tags = one_update(rt, update)
+        metrics["rollout/bad_games_skipped"], rt.bad_games = Count(rt.bad_games), 0
+        metrics = reduce_metrics(accelerator, metrics)
+        last = update == total_updates
+        if args.eval_every and args.eval_games and (last or update % args.eval_every == 0):
+            metrics.update(evaluate(rt.greedy_fn, rt.protocol, accelerator, **eval_kwargs, on_turn=logger.on_turn))
+        logger.log(update, {**tags, **metrics}, samples)
+        if last or (args.save_every and update % args.save_every == 0):
+            save_checkpoint(run_dir, update, rt.model, rt.optimizer, accelerator, algorithm, tags, rt.state_dict())
+    logger.close()
+    return run_dir
 
 
 # ===== end model side =====
