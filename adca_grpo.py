@@ -395,25 +395,6 @@ def suffix_sum(step_rewards: Sequence[Sequence[float]]) -> list[list[float]]:
     return out
 
 
-def broadcast_to_tokens(step_advantages: Sequence[Sequence[float]], step_ids: torch.Tensor) -> torch.Tensor:
-    """(B, L) step ids (-1 = context) -> (B, L) float advantages: every token generated at step k
-    gets its row's step_advantages[k]; context tokens get 0."""
-    if step_ids.dim() != 2 or len(step_advantages) != step_ids.shape[0]:
-        raise ValueError(
-            f"step_ids must be (B, L) with B = {len(step_advantages)} rows, got shape {tuple(step_ids.shape)}"
-        )
-    width = max((len(row) for row in step_advantages), default=0)
-    table = torch.zeros(len(step_advantages), width + 1, dtype=torch.float32)  # last column: 0 for context
-    for i, row in enumerate(step_advantages):
-        table[i, : len(row)] = torch.tensor(row, dtype=torch.float32)
-    lengths = torch.tensor([len(row) for row in step_advantages]).unsqueeze(1)
-    ids = step_ids.long().cpu()
-    if bool((ids >= lengths).any()):
-        raise ValueError("step_ids refer to a step beyond the advantages given for that row")
-    index = torch.where(ids >= 0, ids, torch.full_like(ids, width))
-    return table.gather(1, index).to(step_ids.device)
-
-
 def step_advantages(
     orm_scores: Sequence[float],
     step_flags: Sequence[Sequence[bool]],
@@ -1173,7 +1154,7 @@ def ppo_update(rt: Runtime, datums: list[Datum]) -> dict:
 
 def adca_update(rt: Runtime, update: int) -> tuple[dict, list[dict]]:
     args, t0 = rt.args, time.time()
-    # ---- step 1: rollout. G games x N full episodes; ORM score = 1 if won else 0
+    # ---- step 1: roll out G games x N full episodes
     starts = [rt.fresh_state() for _ in range(args.games_per_update)]
     groups = common.rollout(
         starts,
@@ -1188,74 +1169,38 @@ def adca_update(rt: Runtime, update: int) -> tuple[dict, list[dict]]:
     )
     trajectories = [traj for group in groups for traj in group]
     group_ids = [traj.group for traj in trajectories]
-    orm_scores = [1.0 if traj.won else 0.0 for traj in trajectories]
     t_rollout = time.time()
 
-    # ---- step 2: outcome advantage per group (the decouple's z-score; ~0 marks a group skip_small_adv skips)
+    # ---- step 2: outcome: ORM score 1 if won else 0, and its advantage within the group (the decouple's z-score;
+    # ~0 marks a group skip_small_adv skips)
+    orm_scores = [1.0 if traj.won else 0.0 for traj in trajectories]
     outcome_advantages = group_outcome_advantages(orm_scores, group_ids)
 
-    # ---- step 3: step labels (only while attribution is on, alpha > 0 and update <= --prm-steps)
-    alpha, labelling = alpha_at(update - 1, args), labelling_at(update, args)
-    metrics = {"prm/alpha": alpha if labelling else 0.0, "prm/labelling": float(labelling)}
-    if labelling and rt.labeler is oracle_labeler:
-        step_flags, label_metrics = oracle_labeler(trajectories, outcome_advantages, orm_scores, args)
-        metrics.update(label_metrics)
-    elif labelling:
-        step_flags, label_metrics = label_trajectories(
-            trajectories,
-            outcome_advantages,
-            orm_scores,
-            rt.labeler,
-            args,
-            update,
-            rt.accelerator.process_index,
-            rt.label_log,
-        )
-        metrics.update(label_metrics)
-    else:  # uniform flags as for a skipped trajectory; plain GRPO below does not read them
-        step_flags = [[score > 0] * len(traj.steps) for traj, score in zip(trajectories, orm_scores)]
+    # ---- step 3: label the steps good/bad (only while attribution is on, alpha > 0 and update <= --prm-steps)
+    labelling = labelling_at(update, args)
+    step_flags, metrics = label_steps(rt, update, labelling, trajectories, outcome_advantages, orm_scores)
     t_label = time.time()
 
-    # ---- step 4: step advantages -> token advantages. With labels: decouple fusion and suffix sums over steps
-    # (--prm-metrics-only: only logged); otherwise plain multi-turn GRPO
+    # ---- steps 4-5: decouple the outcome and the labels into step rewards, suffix sums over the steps
+    # (--prm-metrics-only: only logged); without labels, plain multi-turn GRPO
     if labelling:
-        metrics.update(decouple_health_metrics(orm_scores, step_flags, group_ids, **decouple_settings(args, update)))
+        metrics |= decouple_health_metrics(orm_scores, step_flags, group_ids, **decouple_settings(args, update))
     advantages_per_step = step_advantages(orm_scores, step_flags, group_ids, trained_decouple(args, update))
-    sequences = [traj.sequence() for traj in trajectories]
-    width = max((len(tokens) for tokens, _, _ in sequences), default=0)
-    step_ids = torch.tensor([ids + [-1] * (width - len(ids)) for _, _, ids in sequences], dtype=torch.long).view(
-        len(sequences), width
-    )
-    token_advantages = broadcast_to_tokens(advantages_per_step, step_ids).tolist()
-    datums = []
-    for (tokens, old_logprobs, ids), advantages in zip(sequences, token_advantages):
-        mask = [1.0 if k >= 0 else 0.0 for k in ids]
-        datums.append(Datum(list(tokens), list(old_logprobs), advantages[: len(tokens)], mask))
-    metrics.update(refresh_old_logprobs(rt.model, rt.accelerator, datums, args, rt.tokenizer.pad_token_id))
-    if (args.kl_beta > 0 or args.kl_loss_coef > 0) and datums:
-        policy = rt.accelerator.unwrap_model(rt.model)
-        with policy.disable_adapter():
-            reference = policy_logprobs(rt, datums)
-        log_ratios = []
-        for datum, ref in zip(datums, reference):
-            datum.ref_logprobs = ref if args.kl_loss_coef > 0 else None
-            for t, trained in enumerate(datum.mask):
-                if trained:
-                    log_ratios.append(datum.old_logprobs[t] - ref[t])
-                    # the KL as per-token shaping of the advantage: E[grad log p * (log p - log p_ref)] is its gradient
-                    datum.advantages[t] -= args.kl_beta * log_ratios[-1]
-        metrics["train/kl"] = math.fsum(log_ratios) / max(1, len(log_ratios))
 
-    # ---- step 5: PPO-clip, --ppo-epochs passes of --mini-batches optimizer steps each
-    metrics.update(ppo_update(rt, datums))
+    # ---- step 6: broadcast each step's advantage to the tokens generated at that step
+    datums = trajectory_datums(trajectories, advantages_per_step)
+    metrics |= refresh_old_logprobs(rt.model, rt.accelerator, datums, args, rt.tokenizer.pad_token_id)
+    if (args.kl_beta > 0 or args.kl_loss_coef > 0) and datums:
+        metrics |= add_reference_kl(rt, datums)
+
+    # ---- step 7: PPO-clip, --ppo-epochs passes of --mini-batches optimizer steps each
+    metrics |= ppo_update(rt, datums)
     t_update = time.time()
 
-    metrics.update(rollout_metrics(trajectories, groups))
+    metrics |= rollout_metrics(trajectories, groups)
     generated = [a for advantages in advantages_per_step for a in advantages]
     metrics["train/step_advantage_abs_mean"] = math.fsum(abs(a) for a in generated) / max(1, len(generated))
-    metrics.update(
-        {"time/rollout": t_rollout - t0, "time/label": t_label - t_rollout, "time/update": t_update - t_label}
-    )
+    metrics |= {"time/rollout": t_rollout - t0, "time/label": t_label - t_rollout, "time/update": t_update - t_label}
     samples = [
         {
             "game": traj.start.game_file,
@@ -1270,6 +1215,46 @@ def adca_update(rt: Runtime, update: int) -> tuple[dict, list[dict]]:
         for i, traj in enumerate(trajectories[:2])
     ]
     return metrics, samples
+
+
+def label_steps(rt: Runtime, update: int, labelling: bool, trajectories, outcome_advantages, orm_scores):
+    """(step flags per trajectory, prm/ metrics) from the labeller; without labelling, uniform flags as for a
+    skipped trajectory (plain GRPO does not read them)."""
+    args = rt.args
+    metrics = {"prm/alpha": alpha_at(update - 1, args) if labelling else 0.0, "prm/labelling": float(labelling)}
+    if not labelling:
+        return [[score > 0] * len(traj.steps) for traj, score in zip(trajectories, orm_scores)], metrics
+    if rt.labeler is oracle_labeler:
+        step_flags, label_metrics = oracle_labeler(trajectories, outcome_advantages, orm_scores, args)
+    else:
+        step_flags, label_metrics = label_trajectories(
+            trajectories,
+            outcome_advantages,
+            orm_scores,
+            rt.labeler,
+            args,
+            update,
+            rt.accelerator.process_index,
+            rt.label_log,
+        )
+    return step_flags, metrics | label_metrics
+
+
+def add_reference_kl(rt: Runtime, datums: list[Datum]) -> dict:
+    """The base model's logprobs on the datums: kept for the loss's KL term (--kl-loss-coef), and the KL as per-token
+    shaping of the advantage (--kl-beta: E[grad log p * (log p - log p_ref)] is its gradient). Returns train/kl."""
+    args = rt.args
+    policy = rt.accelerator.unwrap_model(rt.model)
+    with policy.disable_adapter():
+        reference = policy_logprobs(rt, datums)
+    log_ratios = []
+    for datum, ref in zip(datums, reference):
+        datum.ref_logprobs = ref if args.kl_loss_coef > 0 else None
+        for t, trained in enumerate(datum.mask):
+            if trained:
+                log_ratios.append(datum.old_logprobs[t] - ref[t])
+                datum.advantages[t] -= args.kl_beta * log_ratios[-1]
+    return {"train/kl": math.fsum(log_ratios) / max(1, len(log_ratios))}
 
 
 # =============================================================================================
@@ -1828,6 +1813,38 @@ class Datum:
             raise ValueError(f"ref_logprobs must have one entry per token ({n}), got {len(self.ref_logprobs)}")
         if self.mask[0]:
             raise ValueError("the first token of a datum has no prediction and cannot be trained")
+
+
+def broadcast_to_tokens(step_advantages: Sequence[Sequence[float]], step_ids: torch.Tensor) -> torch.Tensor:
+    """(B, L) step ids (-1 = context) -> (B, L) float advantages: every token generated at step k
+    gets its row's step_advantages[k]; context tokens get 0."""
+    if step_ids.dim() != 2 or len(step_advantages) != step_ids.shape[0]:
+        raise ValueError(
+            f"step_ids must be (B, L) with B = {len(step_advantages)} rows, got shape {tuple(step_ids.shape)}"
+        )
+    width = max((len(row) for row in step_advantages), default=0)
+    table = torch.zeros(len(step_advantages), width + 1, dtype=torch.float32)  # last column: 0 for context
+    for i, row in enumerate(step_advantages):
+        table[i, : len(row)] = torch.tensor(row, dtype=torch.float32)
+    lengths = torch.tensor([len(row) for row in step_advantages]).unsqueeze(1)
+    ids = step_ids.long().cpu()
+    if bool((ids >= lengths).any()):
+        raise ValueError("step_ids refer to a step beyond the advantages given for that row")
+    index = torch.where(ids >= 0, ids, torch.full_like(ids, width))
+    return table.gather(1, index).to(step_ids.device)
+
+
+def trajectory_datums(trajectories: Sequence[common.Trajectory], step_advantages: Sequence[Sequence[float]]):
+    """One datum per trajectory (its saved prefix and its steps): every token generated at its step k is trained with
+    its step_advantages[k]; the prompts and the saved prefix are context."""
+    sequences = [traj.sequence() for traj in trajectories]
+    width = max((len(tokens) for tokens, _, _ in sequences), default=0)
+    step_ids = torch.tensor([ids + [-1] * (width - len(ids)) for _, _, ids in sequences], dtype=torch.long)
+    token_advantages = broadcast_to_tokens(step_advantages, step_ids.view(len(sequences), width)).tolist()
+    return [
+        Datum(list(tokens), list(old_logprobs), advantages[: len(tokens)], [1.0 if k >= 0 else 0.0 for k in ids])
+        for (tokens, old_logprobs, ids), advantages in zip(sequences, token_advantages)
+    ]
 
 
 # loss_fn(logprobs, batch, total_tokens) -> (loss, stats); see train_step

@@ -321,13 +321,6 @@ def policy_loss(
     return (per_token * mask).sum() / total_tokens, {"clip_frac": (is_clipped * mask).sum().item()}
 
 
-def actor_datum(traj: common.Trajectory, advantage: float) -> Datum:
-    """Saved prefix + this segment; only the tokens generated in this segment are trained."""
-    tokens, old_logprobs, step_ids = traj.sequence()
-    mask = [1.0 if k >= 0 else 0.0 for k in step_ids]
-    return Datum(tokens, old_logprobs, [advantage * m for m in mask], mask)
-
-
 def critic_datum(prompt: list[int], reply: common.Completion, advantage: float) -> Datum:
     """Critic prompt as context, the whole reply trained."""
     n = len(reply.tokens)
@@ -604,130 +597,160 @@ def prefix_weights(rt: Runtime, starts: Sequence[common.SavedState]) -> list[flo
 
 def td_update(rt: Runtime) -> tuple[dict, list[dict]]:
     args, t0 = rt.args, time.time()
-    H, N, K, E = args.macro_rounds, args.branches, args.critic_samples, args.endpoint_samples
     # ---- Phase 2, step 1: start states, uniformly from the store; fresh games when it runs short
     starts = rt.store.take(args.states_per_batch, rt.rng)
     fresh = args.states_per_batch - len(starts)
     starts += [rt.fresh_state() for _ in range(fresh)]
-    macro_index_mean = statistics.fmean(s.round_index / H for s in starts)
 
-    # ---- Phase 2, steps 2-3: restore each state (replay, verified) and run N branches for H turns
+    # ---- Phase 2, step 2: restore each state (replay, verified; one that fails is dropped, never fatal) and run N
+    # branches for H turns
     groups = common.rollout(
         starts,
-        N,
+        args.branches,
         rt.sample_fn,
         rt.protocol,
-        horizon=H,
+        horizon=args.macro_rounds,
         max_episode_steps=args.max_episode_steps,
         max_turn_tokens=args.max_turn_tokens,
         max_trajectory_tokens=args.max_trajectory_tokens,
         on_turn=rt.on_turn,
     )
-    restore_failures = sum(1 for group in groups if not group)  # dropped, never fatal
-    live = [(start, group) for start, group in zip(starts, groups) if group]
-    trajectories = [traj for _, group in live for traj in group]
+    live_starts, live_groups = [s for s, g in zip(starts, groups) if g], [g for g in groups if g]
     t_rollout = time.time()
 
-    # ---- Phase 2, step 4: value every branch that stopped at the macro boundary with the critic (also one with no
-    # token room for another turn: truncated, not ended). Terminal branches (won, at T, or out of tokens mid-segment)
-    # are worth 0
-    endpoints = [traj for traj in trajectories if traj.stop_reason == common.STOP_HORIZON]
-    endpoint_prompts = [rt.critic_prompt(t.start.game_file, t.start.task, t.messages, t.round_index) for t in endpoints]
-    start_prompts = [rt.critic_prompt(s.game_file, s.task, s.messages, s.round_index) for s, _ in live]
-    critic_batch = [p for p in endpoint_prompts if p is not None for _ in range(E)]
-    critic_batch += [p for p in start_prompts if p is not None for _ in range(K)]
-    replies = iter(rt.sample_fn(critic_batch, args.max_critic_tokens) if critic_batch else [])  # one batched call
-    endpoint_value, endpoint_failures = {}, 0
-    for traj, prompt in zip(endpoints, endpoint_prompts):
-        values = [parse_value(next(replies).text) for _ in range(E)] if prompt is not None else []
-        parsed = [v for v in values if v is not None]
-        endpoint_failures += len(values) - len(parsed)
-        endpoint_value[id(traj)] = statistics.fmean(parsed) if parsed else 0.0  # all failed or not sent: 0
-    start_replies = [[next(replies) for _ in range(K)] if p is not None else [] for p in start_prompts]
+    # ---- Phase 2, step 3: value the branch endpoints with the critic (and sample it on the start states for step 5)
+    critic = critic_pass(rt, live_starts, live_groups)
 
-    # ---- Phase 2, step 5: signals. Actor: A_n = R_n - mean(R). Critic: K samples on the start state vs G
-    weights = prefix_weights(rt, [s for s, _ in live]) if args.prefix_is_correction else [None] * len(live)
-    datums, samples = [], []
-    critic_values, critic_targets, value_targets, zero_reward_gaps = [], [], [], []
-    degenerate_actor = degenerate_critic = 0
-    for g, ((start, group), weight, group_replies) in enumerate(zip(live, weights, start_replies)):
-        terminal = [id(traj) not in endpoint_value for traj in group]
-        values = [endpoint_value.get(id(traj)) for traj in group]
-        segment_rewards = [traj.reward for traj in group]
-        returns, value_target, advantages = actor_signals(segment_rewards, values, terminal)
-        value_targets.append(value_target)
-        zero_reward_values = [v for v, r, done in zip(values, segment_rewards, terminal) if not done and r == 0]
-        zero_reward_gaps.append(statistics.pstdev(zero_reward_values) if len(zero_reward_values) >= 2 else 0.0)
+    # ---- Phase 2, step 4: branch returns R_n = r_n + V(endpoint_n) (0 for a terminal branch), A_n = R_n - mean(R)
+    signals = [
+        actor_signals([t.reward for t in group], values, [v is None for v in values])
+        for group, values in zip(live_groups, critic.branch_values)
+    ]
+    weights = prefix_weights(rt, live_starts) if args.prefix_is_correction else [None] * len(live_starts)
 
-        # ---- Phase 2, step 6 (datums): actor = saved prefix + segment, critic = critic prompt + reply
-        if is_degenerate(advantages):
-            degenerate_actor += 1
-        else:
-            scale = 1.0 if weight is None else weight
-            datums += [actor_datum(traj, a * scale) for traj, a in zip(group, advantages)]
-        if group_replies:  # not sent when the start state's critic prompt is over budget
-            start_values = [parse_value(r.text) for r in group_replies]
-            critic_values.append(start_values)
-            critic_targets.append(value_target)
-            _, critic_advantages = critic_signals(start_values, value_target, args.r_max)
-            if is_degenerate(critic_advantages):
-                degenerate_critic += 1
-            else:
-                datums += [critic_datum(start_prompts[g], r, a) for r, a in zip(group_replies, critic_advantages)]
-        if g == 0:
-            samples.append(
-                sample_row(
-                    group[0],
-                    segment_reward=segment_rewards[0],
-                    endpoint_value=values[0],
-                    advantage=advantages[0],
-                    critic_reply=group_replies[0].text if group_replies else None,
-                    value_target=value_target,
-                )
-            )
+    # ---- Phase 2, step 5: critic targets: K samples on each start state, reward -|V - G| towards G = mean(R)
+    start_values = [[parse_value(r.text) for r in replies] for replies in critic.start_replies]
+    critic_advantages = [
+        critic_signals(values, target, args.r_max)[1] if values else []
+        for values, (_, target, _) in zip(start_values, signals)
+    ]
+
+    # ---- Phase 2, step 6: one update, actor datums (saved prefix + segment) and critic datums (prompt + reply)
+    datums = []
+    for g, group in enumerate(live_groups):
+        scale = 1.0 if weights[g] is None else weights[g]
+        if not is_degenerate(signals[g][2]):
+            datums += trajectory_datums(group, [[a * scale] * len(t.steps) for t, a in zip(group, signals[g][2])])
+        if critic_advantages[g] and not is_degenerate(critic_advantages[g]):
+            replies = critic.start_replies[g]
+            datums += [critic_datum(critic.start_prompts[g], r, a) for r, a in zip(replies, critic_advantages[g])]
     t_critic = time.time()
-
-    # ---- Phase 2, step 6: one update, actor and critic datums together
     metrics = rt.train(datums)
     t_update = time.time()
 
     # ---- Phase 2, step 7: endpoints with room for another turn (and a critic prompt within budget, so they can be
     # valued again) go back into the store
-    stored = [t for t, p in zip(endpoints, endpoint_prompts) if p is not None and has_room(t, args)]
+    stored = [t for t, p in zip(critic.endpoints, critic.endpoint_prompts) if p is not None and has_room(t, args)]
     for traj in stored:
         rt.store.add(traj.saved_state())
 
-    metrics.update(rollout_metrics(trajectories))
-    metrics.update(critic_metrics(critic_values, critic_targets, "critic/td_target_corr"))
+    metrics |= td_metrics(rt, live_starts, live_groups, critic, signals, weights, start_values, critic_advantages)
+    metrics |= {
+        "td/fresh_states": Count(fresh),
+        "td/new_endpoints": Count(len(stored)),
+        "td/restore_failures": Count(len(starts) - len(live_starts)),
+        "td/macro_index_mean": statistics.fmean(s.round_index / args.macro_rounds for s in starts),
+        "time/rollout": t_rollout - t0,
+        "time/critic": t_critic - t_rollout,
+        "time/update": t_update - t_critic,
+    }
+    return metrics, td_samples(live_groups, critic, signals)
+
+
+@dataclass
+class CriticPass:
+    """The critic's one batched call of a TD update: E samples on every branch endpoint, K on every start state."""
+
+    branch_values: list[list[float | None]]  # per group and branch: V(endpoint), mean of its parsed samples (0 when
+    # all fail or its prompt is over budget); None for a terminal branch (won, at T, or out of tokens mid-segment)
+    endpoints: list[common.Trajectory]  # the branches that stopped at the macro boundary
+    endpoint_prompts: list[list[int] | None]  # None: over budget, never sent
+    start_prompts: list[list[int] | None]
+    start_replies: list[list[common.Completion]]  # [] when the start state's prompt is over budget
+    endpoint_failures: int  # endpoint samples that did not parse
+
+
+def critic_pass(rt: Runtime, starts: Sequence[common.SavedState], groups) -> CriticPass:
+    """A branch stopped at the macro boundary is valued (also one with no token room for another turn: truncated,
+    not ended); every other branch is terminal."""
+    E, K = rt.args.endpoint_samples, rt.args.critic_samples
+    endpoints = [t for group in groups for t in group if t.stop_reason == common.STOP_HORIZON]
+    endpoint_prompts = [rt.critic_prompt(t.start.game_file, t.start.task, t.messages, t.round_index) for t in endpoints]
+    start_prompts = [rt.critic_prompt(s.game_file, s.task, s.messages, s.round_index) for s in starts]
+    batch = [p for p in endpoint_prompts if p is not None for _ in range(E)]
+    batch += [p for p in start_prompts if p is not None for _ in range(K)]
+    replies = iter(rt.sample_fn(batch, rt.args.max_critic_tokens) if batch else [])
+    values, failures = [], 0
+    for prompt in endpoint_prompts:
+        samples = [parse_value(next(replies).text) for _ in range(E)] if prompt is not None else []
+        parsed = [v for v in samples if v is not None]
+        failures += len(samples) - len(parsed)
+        values.append(statistics.fmean(parsed) if parsed else 0.0)
+    start_replies = [[next(replies) for _ in range(K)] if p is not None else [] for p in start_prompts]
+    endpoint_values = iter(values)
+    branch_values = [
+        [next(endpoint_values) if t.stop_reason == common.STOP_HORIZON else None for t in group] for group in groups
+    ]
+    return CriticPass(branch_values, endpoints, endpoint_prompts, start_prompts, start_replies, failures)
+
+
+def td_metrics(rt, starts, groups, critic: CriticPass, signals, weights, start_values, critic_advantages) -> dict:
+    trajectories = [traj for group in groups for traj in group]
+    value_targets = [target for _, target, _ in signals]
+    sent = [(values, target) for values, target in zip(start_values, value_targets) if values]
+    zero_reward_gaps = []
+    for group, values in zip(groups, critic.branch_values):
+        zero = [v for v, t in zip(values, group) if v is not None and t.reward == 0]
+        zero_reward_gaps.append(statistics.pstdev(zero) if len(zero) >= 2 else 0.0)
+    metrics = rollout_metrics(trajectories)
+    metrics |= critic_metrics([v for v, _ in sent], [g for _, g in sent], "critic/td_target_corr")
     parsed_weights = [w for w in weights if w is not None]
     if parsed_weights:
         metrics["td/prefix_is_weight_mean"] = statistics.fmean(parsed_weights)
         metrics["td/prefix_is_weight_max"] = max(parsed_weights)
-    if endpoints:
-        metrics["critic/endpoint_value_mean"] = statistics.fmean(endpoint_value.values())
-    critic_prompts = endpoint_prompts + start_prompts
-    metrics.update(
-        {
-            "critic/endpoint_parse_failures": Count(endpoint_failures),
-            "critic/prompt_too_long_rate": sum(p is None for p in critic_prompts) / max(1, len(critic_prompts)),
-            "critic/value_target_mean": statistics.fmean(value_targets) if value_targets else 0.0,
-            "critic/value_target_std": statistics.pstdev(value_targets) if value_targets else 0.0,
-            "critic/degenerate_group_rate": degenerate_critic / max(1, len(critic_values)),
-            "actor/segment_reward_mean": statistics.fmean(t.reward for t in trajectories) if trajectories else 0.0,
-            "actor/degenerate_group_rate": degenerate_actor / max(1, len(live)),
-            "actor/macro_boundary_rate": len(endpoints) / max(1, len(trajectories)),
-            "actor/value_gap_zero_reward": statistics.fmean(zero_reward_gaps) if zero_reward_gaps else 0.0,
-            "td/store_size": Count(len(rt.store)),
-            "td/fresh_states": Count(fresh),
-            "td/new_endpoints": Count(len(stored)),
-            "td/macro_index_mean": macro_index_mean,
-            "td/restore_failures": Count(restore_failures),
-            "time/rollout": t_rollout - t0,
-            "time/critic": t_critic - t_rollout,
-            "time/update": t_update - t_critic,
-        }
-    )
-    return metrics, samples
+    endpoint_values = [v for values in critic.branch_values for v in values if v is not None]
+    if endpoint_values:
+        metrics["critic/endpoint_value_mean"] = statistics.fmean(endpoint_values)
+    prompts = critic.endpoint_prompts + critic.start_prompts
+    return metrics | {
+        "critic/endpoint_parse_failures": Count(critic.endpoint_failures),
+        "critic/prompt_too_long_rate": sum(p is None for p in prompts) / max(1, len(prompts)),
+        "critic/value_target_mean": statistics.fmean(value_targets) if value_targets else 0.0,
+        "critic/value_target_std": statistics.pstdev(value_targets) if value_targets else 0.0,
+        "critic/degenerate_group_rate": sum(is_degenerate(a) for a in critic_advantages if a) / max(1, len(sent)),
+        "actor/segment_reward_mean": statistics.fmean(t.reward for t in trajectories) if trajectories else 0.0,
+        "actor/degenerate_group_rate": sum(is_degenerate(a) for _, _, a in signals) / max(1, len(groups)),
+        "actor/macro_boundary_rate": len(critic.endpoints) / max(1, len(trajectories)),
+        "actor/value_gap_zero_reward": statistics.fmean(zero_reward_gaps) if zero_reward_gaps else 0.0,
+        "td/store_size": Count(len(rt.store)),
+    }
+
+
+def td_samples(groups, critic: CriticPass, signals) -> list[dict]:
+    """The first group's first branch, for samples.jsonl."""
+    if not groups:
+        return []
+    replies, (_, value_target, advantages) = critic.start_replies[0], signals[0]
+    return [
+        sample_row(
+            groups[0][0],
+            segment_reward=groups[0][0].reward,
+            endpoint_value=critic.branch_values[0][0],
+            advantage=advantages[0],
+            critic_reply=replies[0].text if replies else None,
+            value_target=value_target,
+        )
+    ]
 
 
 # =============================================================================================
@@ -1292,6 +1315,38 @@ class Datum:
             raise ValueError(f"ref_logprobs must have one entry per token ({n}), got {len(self.ref_logprobs)}")
         if self.mask[0]:
             raise ValueError("the first token of a datum has no prediction and cannot be trained")
+
+
+def broadcast_to_tokens(step_advantages: Sequence[Sequence[float]], step_ids: torch.Tensor) -> torch.Tensor:
+    """(B, L) step ids (-1 = context) -> (B, L) float advantages: every token generated at step k
+    gets its row's step_advantages[k]; context tokens get 0."""
+    if step_ids.dim() != 2 or len(step_advantages) != step_ids.shape[0]:
+        raise ValueError(
+            f"step_ids must be (B, L) with B = {len(step_advantages)} rows, got shape {tuple(step_ids.shape)}"
+        )
+    width = max((len(row) for row in step_advantages), default=0)
+    table = torch.zeros(len(step_advantages), width + 1, dtype=torch.float32)  # last column: 0 for context
+    for i, row in enumerate(step_advantages):
+        table[i, : len(row)] = torch.tensor(row, dtype=torch.float32)
+    lengths = torch.tensor([len(row) for row in step_advantages]).unsqueeze(1)
+    ids = step_ids.long().cpu()
+    if bool((ids >= lengths).any()):
+        raise ValueError("step_ids refer to a step beyond the advantages given for that row")
+    index = torch.where(ids >= 0, ids, torch.full_like(ids, width))
+    return table.gather(1, index).to(step_ids.device)
+
+
+def trajectory_datums(trajectories: Sequence[common.Trajectory], step_advantages: Sequence[Sequence[float]]):
+    """One datum per trajectory (its saved prefix and its steps): every token generated at its step k is trained with
+    its step_advantages[k]; the prompts and the saved prefix are context."""
+    sequences = [traj.sequence() for traj in trajectories]
+    width = max((len(tokens) for tokens, _, _ in sequences), default=0)
+    step_ids = torch.tensor([ids + [-1] * (width - len(ids)) for _, _, ids in sequences], dtype=torch.long)
+    token_advantages = broadcast_to_tokens(step_advantages, step_ids.view(len(sequences), width)).tolist()
+    return [
+        Datum(list(tokens), list(old_logprobs), advantages[: len(tokens)], [1.0 if k >= 0 else 0.0 for k in ids])
+        for (tokens, old_logprobs, ids), advantages in zip(sequences, token_advantages)
+    ]
 
 
 # loss_fn(logprobs, batch, total_tokens) -> (loss, stats); see train_step
