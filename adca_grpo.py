@@ -43,11 +43,13 @@ import tyro
 
 import common
 
+# fork 1: the algorithm's name (a checkpoint carries it; another algorithm's is refused) and the docstring
 ALGORITHM = "adca_grpo"
 ORM_DISTRIBUTIONS = ("last_step", "all_steps", "only_prm")
 PERMANENT_HTTP_ERRORS = (400, 401, 403, 404, 422)  # a labeller request that got one of these is not retried
 
 
+# fork 2: the algorithm's flags in Args (keep the shared ones: the plumbing reads them) and in validate_args
 @dataclass
 class Args:
     # ---- model and optimisation (shared with tempo.py) ----
@@ -209,6 +211,7 @@ class Args:
     """with --sampler vllm: the loss's old logprobs come from a trainer forward pass, not from the server"""
 
 
+# fork 3: the algorithm's signals and its policy_loss
 # =============================================================================================
 # ADCA advantages and loss (update steps 2, 4 and 5): AgentEvolver's decouple fusion of labels and outcomes,
 # the plain GRPO baseline, PPO-clip
@@ -1012,6 +1015,8 @@ def labeler_backend(args: Args) -> str:
     return "api" if args.labeler_base_url else "self"
 
 
+# fork 4: what an update needs (built by make_runtime); per-process state a checkpoint keeps goes into
+# state_dict / load_state_dict
 @dataclass
 class Runtime:
     args: Args
@@ -1152,6 +1157,7 @@ def ppo_update(rt: Runtime, datums: list[Datum]) -> dict:
     return merged
 
 
+# fork 5: one update -> (metrics, samples); a metric that counts something is a Count (summed over processes)
 def adca_update(rt: Runtime, update: int) -> tuple[dict, list[dict]]:
     args, t0 = rt.args, time.time()
     # ---- step 1: roll out G games x N full episodes
@@ -1260,6 +1266,7 @@ def add_reference_kl(rt: Runtime, datums: list[Datum]) -> dict:
 # =============================================================================================
 # Main: the updates (the job around them, resume and checkpoints, is train() in the plumbing below)
 # =============================================================================================
+# fork 6: main: the number of updates, RESUME_MAY_CHANGE, POSTFIX_KEYS
 # Flags that only extend a run, or change how the labeller is reached rather than who labels.
 RESUME_MAY_CHANGE = (
     "num_updates",
