@@ -211,10 +211,10 @@ class Args:
     """with --sampler vllm: the loss's old logprobs come from a trainer forward pass, not from the server"""
 
 
-# fork 3: the algorithm's signals and its policy_loss
+# fork 3: the algorithm's signals (here) and its policy_loss (before ppo_update)
 # =============================================================================================
-# ADCA advantages and loss (update steps 2, 4 and 5): AgentEvolver's decouple fusion of labels and outcomes,
-# the plain GRPO baseline, PPO-clip
+# ADCA advantages (update steps 2, 4 and 5): AgentEvolver's decouple fusion of labels and outcomes, the plain GRPO
+# baseline
 # =============================================================================================
 EPS = 1e-8
 
@@ -412,40 +412,6 @@ def step_advantages(
             [advantage] * len(flags) for advantage, flags in zip(grpo_advantages(orm_scores, group_ids), step_flags)
         ]
     return suffix_sum(decouple_step_rewards(orm_scores, step_flags, group_ids, **decouple))
-
-
-def policy_loss(
-    logprobs: torch.Tensor,
-    batch: dict[str, torch.Tensor],
-    total_tokens: float,
-    *,
-    clip_eps: float = 0.2,
-    clip_eps_high: float | None = None,
-    dual_clip_c: float | None = None,
-    kl_loss_coef: float = 0.0,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """train_step's loss: PPO-clip per generated token, token mean over the whole update (veRL's token-mean).
-
-    ratio = exp(logp - old_logp), loss = max(-A * ratio, -A * clip(ratio, 1 - eps, 1 + eps_high)) (clip-higher when
-    eps_high > eps); dual clip caps the loss of a token with A < 0 at -A * c, so a huge ratio on a bad token cannot
-    dominate; the KL term is k3 = exp(ref - logp) - (ref - logp) - 1 (clamped to [-10, 10] as veRL's low_var_kl)."""
-    mask, advantages = batch["mask"], batch["advantages"]
-    ratio = torch.exp(logprobs - batch["old_logprobs"])
-    eps_high = clip_eps if clip_eps_high is None else clip_eps_high
-    unclipped, clipped = -advantages * ratio, -advantages * ratio.clamp(1.0 - clip_eps, 1.0 + eps_high)
-    per_token = torch.maximum(unclipped, clipped)
-    stats = {"clip_frac": ((clipped > unclipped).float() * mask).sum().item()}
-    if dual_clip_c is not None:
-        capped = torch.minimum(per_token, -advantages * dual_clip_c)
-        dual_clipped = (advantages < 0) & (capped < per_token)
-        per_token = torch.where(advantages < 0, capped, per_token)
-        stats["dual_clip_frac"] = (dual_clipped.float() * mask).sum().item()
-    if kl_loss_coef > 0:
-        log_ratio = batch["ref_logprobs"] - logprobs
-        kl = (torch.exp(log_ratio) - log_ratio - 1.0).clamp(-10.0, 10.0)
-        per_token = per_token + kl_loss_coef * kl
-        stats["kl_k3"] = (kl.detach() * mask).sum().item()
-    return (per_token * mask).sum() / total_tokens, stats
 
 
 def alpha_at(update: int, args: Args) -> float:
@@ -1117,6 +1083,40 @@ def policy_logprobs(rt: Runtime, datums: Sequence[Datum]) -> list[list[float]]:
     )
 
 
+def policy_loss(
+    logprobs: torch.Tensor,
+    batch: dict[str, torch.Tensor],
+    total_tokens: float,
+    *,
+    clip_eps: float = 0.2,
+    clip_eps_high: float | None = None,
+    dual_clip_c: float | None = None,
+    kl_loss_coef: float = 0.0,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """train_step's loss: PPO-clip per generated token, token mean over the whole update (veRL's token-mean).
+
+    ratio = exp(logp - old_logp), loss = max(-A * ratio, -A * clip(ratio, 1 - eps, 1 + eps_high)) (clip-higher when
+    eps_high > eps); dual clip caps the loss of a token with A < 0 at -A * c, so a huge ratio on a bad token cannot
+    dominate; the KL term is k3 = exp(ref - logp) - (ref - logp) - 1 (clamped to [-10, 10] as veRL's low_var_kl)."""
+    mask, advantages = batch["mask"], batch["advantages"]
+    ratio = torch.exp(logprobs - batch["old_logprobs"])
+    eps_high = clip_eps if clip_eps_high is None else clip_eps_high
+    unclipped, clipped = -advantages * ratio, -advantages * ratio.clamp(1.0 - clip_eps, 1.0 + eps_high)
+    per_token = torch.maximum(unclipped, clipped)
+    stats = {"clip_frac": ((clipped > unclipped).float() * mask).sum().item()}
+    if dual_clip_c is not None:
+        capped = torch.minimum(per_token, -advantages * dual_clip_c)
+        dual_clipped = (advantages < 0) & (capped < per_token)
+        per_token = torch.where(advantages < 0, capped, per_token)
+        stats["dual_clip_frac"] = (dual_clipped.float() * mask).sum().item()
+    if kl_loss_coef > 0:
+        log_ratio = batch["ref_logprobs"] - logprobs
+        kl = (torch.exp(log_ratio) - log_ratio - 1.0).clamp(-10.0, 10.0)
+        per_token = per_token + kl_loss_coef * kl
+        stats["kl_k3"] = (kl.detach() * mask).sum().item()
+    return (per_token * mask).sum() / total_tokens, stats
+
+
 def ppo_update(rt: Runtime, datums: list[Datum]) -> dict:
     """--ppo-epochs passes over the datums, each split at random into --mini-batches optimizer steps. With more than
     one step the old logprobs are the policy's own before the first (as veRL recomputes them), else the sampler's.
@@ -1264,7 +1264,7 @@ def add_reference_kl(rt: Runtime, datums: list[Datum]) -> dict:
 
 
 # =============================================================================================
-# Main: the updates (the job around them, resume and checkpoints, is train() in the plumbing below)
+# Main: the updates (train(), in the plumbing below, runs the job around them)
 # =============================================================================================
 # fork 6: main: the number of updates, RESUME_MAY_CHANGE, POSTFIX_KEYS
 # Flags that only extend a run, or change how the labeller is reached rather than who labels.
@@ -1302,8 +1302,9 @@ def main(args: Args) -> Path:
 
 
 # ===== model side: identical in tempo.py and adca_grpo.py =====
-# Start-up checks, loading, sampling, teacher-forced logprobs, the loss and update, run logging, checkpoints and
-# evaluation. Reads only the shared Args fields; everything algorithm-specific is passed in.
+# The plumbing of a training job, byte-identical in both scripts (tests/test_layout.py): start-up checks, loading,
+# sampling, teacher-forced logprobs, the micro-batched optimizer step, run logging, checkpoints, evaluation and the
+# job itself (training_job, train). Reads only the shared Args fields; everything algorithm-specific is passed in.
 def validate_model_args(args) -> None:
     """Fail at start, naming the flag, on any shared setting that cannot work."""
     checks = [
@@ -1344,15 +1345,6 @@ def validate_model_args(args) -> None:
         (args.threads >= 0, f"--threads must be >= 0, got {args.threads}"),
         (not (args.resume and args.eval_only), "--resume and --eval-only cannot be combined"),
         (not args.eval_only or args.eval_games >= 1, "--eval-only needs --eval-games >= 1"),
-    ]
-    for ok, message in checks:
-        if not ok:
-            raise ValueError(message)
-    validate_sampler_args(args)
-
-
-def validate_sampler_args(args) -> None:
-    checks = [
         (
             args.sampler == "generate" or args.sampler_url.startswith(("http://", "https://")),
             f"--sampler vllm needs --sampler-url http://HOST:PORT/v1, got {args.sampler_url!r}",
@@ -2353,27 +2345,16 @@ def load_checkpoint(path: Path, model, optimizer, accelerator) -> None:
         _set_rng_state(torch.load(path / "rng.pt", weights_only=True)[accelerator.process_index])
 
 
-def evaluate(
-    sample_fn: common.SampleFn,
-    protocol: common.ChatProtocol,
-    accelerator,
-    *,
-    data_root,
-    task_types,
-    eval_games: int,
-    max_episode_steps: int,
-    max_turn_tokens: int,
-    max_trajectory_tokens: int,
-    on_turn=None,
-) -> dict:
-    """Greedy episodes on eval_games games (common.eval_subset) of valid_seen and valid_unseen (sharded over processes).
-    invalid_action_rate = turns whose reply was not an admissible action (bad format or not admissible)."""
+def evaluate(rt, max_episode_steps: int, on_turn=None) -> dict:
+    """Greedy episodes (rt.greedy_fn) on --eval-games games (common.eval_subset) of valid_seen and valid_unseen,
+    sharded over the processes. invalid_action_rate = turns whose reply was not an admissible action (bad format or
+    not admissible)."""
     from accelerate.utils import gather_object
 
-    metrics = {}
+    args, accelerator, protocol, metrics = rt.args, rt.accelerator, rt.protocol, {}
     for split in ("valid_seen", "valid_unseen"):
         try:
-            games = common.eval_subset(data_root, split, task_types, eval_games)
+            games = common.eval_subset(args.data_root, split, args.task_types, args.eval_games)
         except FileNotFoundError as error:
             print(f"[eval] skipping {split}: {error}", file=sys.stderr)
             continue
@@ -2383,12 +2364,12 @@ def evaluate(
             common.rollout(
                 starts,
                 1,
-                sample_fn,
+                rt.greedy_fn,
                 protocol,
                 horizon=max_episode_steps,
                 max_episode_steps=max_episode_steps,
-                max_turn_tokens=max_turn_tokens,
-                max_trajectory_tokens=max_trajectory_tokens,
+                max_turn_tokens=args.max_turn_tokens,
+                max_trajectory_tokens=args.max_trajectory_tokens,
                 on_turn=on_turn,
             )
             if starts
@@ -2418,22 +2399,6 @@ def evaluate(
             of_type = [r["won"] for r in results if r["task_type"] == task_type]
             metrics[f"eval/{split}/success/{task_type}"] = sum(of_type) / len(of_type)
     return metrics
-
-
-def evaluate_checkpoint(
-    args, checkpoint: Path, trainer_state: dict, model, greedy_fn, protocol, accelerator, eval_kwargs
-) -> Path:
-    """--eval-only: the checkpoint's adapter, one greedy evaluation, logged as one metrics.jsonl row (update = the
-    checkpoint's) of a new run dir, and printed."""
-    load_checkpoint(checkpoint, model, None, accelerator)
-    run_dir = new_run_dir(args)
-    logger = RunLogger(args, run_dir, accelerator, 1, 0)
-    metrics = evaluate(greedy_fn, protocol, accelerator, **eval_kwargs, on_turn=logger.on_turn)
-    logger.log(trainer_state["update"], {"checkpoint": str(checkpoint), **metrics})
-    logger.close()
-    if accelerator.is_main_process:
-        print(json.dumps(metrics, indent=2))
-    return run_dir
 
 
 def close_distributed() -> None:
@@ -2475,18 +2440,16 @@ def train(rt, algorithm: str, checkpoint, trainer_state, total_updates: int, one
     processes, evaluation every --eval-every, a metrics row (with the tags) and a checkpoint (tags and every
     process's rt.state_dict()). Returns the run directory."""
     args, accelerator = rt.args, rt.accelerator
-    eval_kwargs = dict(
-        data_root=rt.data_root,
-        task_types=args.task_types,
-        eval_games=args.eval_games,
-        max_episode_steps=eval_steps,
-        max_turn_tokens=args.max_turn_tokens,
-        max_trajectory_tokens=args.max_trajectory_tokens,
-    )
-    if args.eval_only:
-        return evaluate_checkpoint(
-            args, checkpoint, trainer_state, rt.model, rt.greedy_fn, rt.protocol, accelerator, eval_kwargs
-        )
+    if args.eval_only:  # the checkpoint's adapter, one evaluation: one metrics row (update = the checkpoint's)
+        load_checkpoint(checkpoint, rt.model, None, accelerator)
+        run_dir = new_run_dir(args)
+        logger = RunLogger(args, run_dir, accelerator, 1, 0)
+        metrics = evaluate(rt, eval_steps, on_turn=logger.on_turn)
+        logger.log(trainer_state["update"], {"checkpoint": str(checkpoint), **metrics})
+        logger.close()
+        if accelerator.is_main_process:
+            print(json.dumps(metrics, indent=2))
+        return run_dir
 
     done = trainer_state["update"] if checkpoint is not None else 0
     run_dir = checkpoint.parent.parent if checkpoint is not None else new_run_dir(args)
@@ -2504,7 +2467,7 @@ def train(rt, algorithm: str, checkpoint, trainer_state, total_updates: int, one
         metrics = reduce_metrics(accelerator, metrics)
         last = update == total_updates
         if args.eval_every and args.eval_games and (last or update % args.eval_every == 0):
-            metrics.update(evaluate(rt.greedy_fn, rt.protocol, accelerator, **eval_kwargs, on_turn=logger.on_turn))
+            metrics.update(evaluate(rt, eval_steps, on_turn=logger.on_turn))
         logger.log(update, {**tags, **metrics}, samples)
         if last or (args.save_every and update % args.save_every == 0):
             save_checkpoint(run_dir, update, rt.model, rt.optimizer, accelerator, algorithm, tags, rt.state_dict())

@@ -754,7 +754,7 @@ def td_samples(groups, critic: CriticPass, signals) -> list[dict]:
 
 
 # =============================================================================================
-# Main: warm-up updates, then TD updates (the job around them, resume and checkpoints, is train() in the plumbing below)
+# Main: warm-up updates, then TD updates (train(), in the plumbing below, runs the job around them)
 # =============================================================================================
 RESUME_MAY_CHANGE = ("td_updates",)  # flags that only extend a run
 POSTFIX_KEYS = ("critic/abs_error_mean", "critic/value_corr", "rollout/success_rate", "td/fresh_states", "train/loss")
@@ -797,8 +797,9 @@ def main(args: Args) -> Path:
 
 
 # ===== model side: identical in tempo.py and adca_grpo.py =====
-# Start-up checks, loading, sampling, teacher-forced logprobs, the loss and update, run logging, checkpoints and
-# evaluation. Reads only the shared Args fields; everything algorithm-specific is passed in.
+# The plumbing of a training job, byte-identical in both scripts (tests/test_layout.py): start-up checks, loading,
+# sampling, teacher-forced logprobs, the micro-batched optimizer step, run logging, checkpoints, evaluation and the
+# job itself (training_job, train). Reads only the shared Args fields; everything algorithm-specific is passed in.
 def validate_model_args(args) -> None:
     """Fail at start, naming the flag, on any shared setting that cannot work."""
     checks = [
@@ -839,15 +840,6 @@ def validate_model_args(args) -> None:
         (args.threads >= 0, f"--threads must be >= 0, got {args.threads}"),
         (not (args.resume and args.eval_only), "--resume and --eval-only cannot be combined"),
         (not args.eval_only or args.eval_games >= 1, "--eval-only needs --eval-games >= 1"),
-    ]
-    for ok, message in checks:
-        if not ok:
-            raise ValueError(message)
-    validate_sampler_args(args)
-
-
-def validate_sampler_args(args) -> None:
-    checks = [
         (
             args.sampler == "generate" or args.sampler_url.startswith(("http://", "https://")),
             f"--sampler vllm needs --sampler-url http://HOST:PORT/v1, got {args.sampler_url!r}",
@@ -1848,27 +1840,16 @@ def load_checkpoint(path: Path, model, optimizer, accelerator) -> None:
         _set_rng_state(torch.load(path / "rng.pt", weights_only=True)[accelerator.process_index])
 
 
-def evaluate(
-    sample_fn: common.SampleFn,
-    protocol: common.ChatProtocol,
-    accelerator,
-    *,
-    data_root,
-    task_types,
-    eval_games: int,
-    max_episode_steps: int,
-    max_turn_tokens: int,
-    max_trajectory_tokens: int,
-    on_turn=None,
-) -> dict:
-    """Greedy episodes on eval_games games (common.eval_subset) of valid_seen and valid_unseen (sharded over processes).
-    invalid_action_rate = turns whose reply was not an admissible action (bad format or not admissible)."""
+def evaluate(rt, max_episode_steps: int, on_turn=None) -> dict:
+    """Greedy episodes (rt.greedy_fn) on --eval-games games (common.eval_subset) of valid_seen and valid_unseen,
+    sharded over the processes. invalid_action_rate = turns whose reply was not an admissible action (bad format or
+    not admissible)."""
     from accelerate.utils import gather_object
 
-    metrics = {}
+    args, accelerator, protocol, metrics = rt.args, rt.accelerator, rt.protocol, {}
     for split in ("valid_seen", "valid_unseen"):
         try:
-            games = common.eval_subset(data_root, split, task_types, eval_games)
+            games = common.eval_subset(args.data_root, split, args.task_types, args.eval_games)
         except FileNotFoundError as error:
             print(f"[eval] skipping {split}: {error}", file=sys.stderr)
             continue
@@ -1878,12 +1859,12 @@ def evaluate(
             common.rollout(
                 starts,
                 1,
-                sample_fn,
+                rt.greedy_fn,
                 protocol,
                 horizon=max_episode_steps,
                 max_episode_steps=max_episode_steps,
-                max_turn_tokens=max_turn_tokens,
-                max_trajectory_tokens=max_trajectory_tokens,
+                max_turn_tokens=args.max_turn_tokens,
+                max_trajectory_tokens=args.max_trajectory_tokens,
                 on_turn=on_turn,
             )
             if starts
@@ -1913,22 +1894,6 @@ def evaluate(
             of_type = [r["won"] for r in results if r["task_type"] == task_type]
             metrics[f"eval/{split}/success/{task_type}"] = sum(of_type) / len(of_type)
     return metrics
-
-
-def evaluate_checkpoint(
-    args, checkpoint: Path, trainer_state: dict, model, greedy_fn, protocol, accelerator, eval_kwargs
-) -> Path:
-    """--eval-only: the checkpoint's adapter, one greedy evaluation, logged as one metrics.jsonl row (update = the
-    checkpoint's) of a new run dir, and printed."""
-    load_checkpoint(checkpoint, model, None, accelerator)
-    run_dir = new_run_dir(args)
-    logger = RunLogger(args, run_dir, accelerator, 1, 0)
-    metrics = evaluate(greedy_fn, protocol, accelerator, **eval_kwargs, on_turn=logger.on_turn)
-    logger.log(trainer_state["update"], {"checkpoint": str(checkpoint), **metrics})
-    logger.close()
-    if accelerator.is_main_process:
-        print(json.dumps(metrics, indent=2))
-    return run_dir
 
 
 def close_distributed() -> None:
@@ -1970,18 +1935,16 @@ def train(rt, algorithm: str, checkpoint, trainer_state, total_updates: int, one
     processes, evaluation every --eval-every, a metrics row (with the tags) and a checkpoint (tags and every
     process's rt.state_dict()). Returns the run directory."""
     args, accelerator = rt.args, rt.accelerator
-    eval_kwargs = dict(
-        data_root=rt.data_root,
-        task_types=args.task_types,
-        eval_games=args.eval_games,
-        max_episode_steps=eval_steps,
-        max_turn_tokens=args.max_turn_tokens,
-        max_trajectory_tokens=args.max_trajectory_tokens,
-    )
-    if args.eval_only:
-        return evaluate_checkpoint(
-            args, checkpoint, trainer_state, rt.model, rt.greedy_fn, rt.protocol, accelerator, eval_kwargs
-        )
+    if args.eval_only:  # the checkpoint's adapter, one evaluation: one metrics row (update = the checkpoint's)
+        load_checkpoint(checkpoint, rt.model, None, accelerator)
+        run_dir = new_run_dir(args)
+        logger = RunLogger(args, run_dir, accelerator, 1, 0)
+        metrics = evaluate(rt, eval_steps, on_turn=logger.on_turn)
+        logger.log(trainer_state["update"], {"checkpoint": str(checkpoint), **metrics})
+        logger.close()
+        if accelerator.is_main_process:
+            print(json.dumps(metrics, indent=2))
+        return run_dir
 
     done = trainer_state["update"] if checkpoint is not None else 0
     run_dir = checkpoint.parent.parent if checkpoint is not None else new_run_dir(args)
@@ -1999,7 +1962,7 @@ def train(rt, algorithm: str, checkpoint, trainer_state, total_updates: int, one
         metrics = reduce_metrics(accelerator, metrics)
         last = update == total_updates
         if args.eval_every and args.eval_games and (last or update % args.eval_every == 0):
-            metrics.update(evaluate(rt.greedy_fn, rt.protocol, accelerator, **eval_kwargs, on_turn=logger.on_turn))
+            metrics.update(evaluate(rt, eval_steps, on_turn=logger.on_turn))
         logger.log(update, {**tags, **metrics}, samples)
         if last or (args.save_every and update % args.save_every == 0):
             save_checkpoint(run_dir, update, rt.model, rt.optimizer, accelerator, algorithm, tags, rt.state_dict())
