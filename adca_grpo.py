@@ -1057,15 +1057,10 @@ def make_runtime(args: Args, accelerator) -> Runtime:
     )
 
 
-def rollout_metrics(trajectories: Sequence[common.Trajectory], groups: Sequence[Sequence[common.Trajectory]]) -> dict:
-    steps = [step for traj in trajectories for step in traj.steps]
+def group_metrics(groups: Sequence[Sequence[common.Trajectory]]) -> dict:
+    """Groups whose episodes all won or all lost (nothing to compare within them), and games that did not restore."""
     outcomes = [{traj.won for traj in group} for group in groups if group]
     return {
-        "rollout/success_rate": sum(t.won for t in trajectories) / max(1, len(trajectories)),
-        "rollout/steps": len(steps) / max(1, len(trajectories)),
-        "rollout/valid_format_rate": sum(s.valid for s in steps) / max(1, len(steps)),
-        "rollout/admissible_rate": sum(s.admissible for s in steps) / max(1, len(steps)),
-        "rollout/generated_tokens": Count(sum(len(s.completion_tokens) for s in steps)),
         "rollout/groups_all_won": Count(sum(o == {True} for o in outcomes)),
         "rollout/groups_all_lost": Count(sum(o == {False} for o in outcomes)),
         "rollout/restore_failures": Count(sum(not group for group in groups)),
@@ -1203,7 +1198,7 @@ def adca_update(rt: Runtime, update: int) -> tuple[dict, list[dict]]:
     metrics |= ppo_update(rt, datums)
     t_update = time.time()
 
-    metrics |= rollout_metrics(trajectories, groups)
+    metrics |= rollout_metrics(trajectories) | group_metrics(groups)
     generated = [a for advantages in advantages_per_step for a in advantages]
     metrics["train/step_advantage_abs_mean"] = math.fsum(abs(a) for a in generated) / max(1, len(generated))
     metrics |= {"time/rollout": t_rollout - t0, "time/label": t_label - t_rollout, "time/update": t_update - t_label}
@@ -1933,6 +1928,20 @@ def train_step(
         "train/ratio_max": ratio_max,
         **{f"train/{name}": total / total_tokens for name, total in zip(names, stat_totals)},
         "train/nonfinite_skipped": 0.0 if finite else 1.0,
+    }
+
+
+def rollout_metrics(trajectories: Sequence[common.Trajectory]) -> dict:
+    """rollout/ metrics of a batch of trajectories; {} for none."""
+    steps = [step for traj in trajectories for step in traj.steps]
+    if not trajectories:
+        return {}
+    return {
+        "rollout/valid_format_rate": sum(s.valid for s in steps) / max(1, len(steps)),
+        "rollout/admissible_rate": sum(s.admissible for s in steps) / max(1, len(steps)),
+        "rollout/steps": len(steps) / len(trajectories),
+        "rollout/success_rate": sum(t.won for t in trajectories) / len(trajectories),
+        "rollout/generated_tokens": Count(sum(len(s.completion_tokens) for s in steps)),
     }
 
 

@@ -442,19 +442,6 @@ class Runtime:
         )
 
 
-def rollout_metrics(trajectories: Sequence[common.Trajectory]) -> dict:
-    steps = [step for traj in trajectories for step in traj.steps]
-    if not trajectories:
-        return {}
-    return {
-        "rollout/valid_format_rate": sum(s.valid for s in steps) / max(1, len(steps)),
-        "rollout/admissible_rate": sum(s.admissible for s in steps) / max(1, len(steps)),
-        "rollout/steps": len(steps) / len(trajectories),
-        "rollout/success_rate": sum(t.won for t in trajectories) / len(trajectories),
-        "rollout/generated_tokens": Count(sum(len(s.completion_tokens) for s in steps)),
-    }
-
-
 def critic_metrics(values_per_state: Sequence[Sequence[float | None]], targets: Sequence[float], corr_key: str) -> dict:
     """The critic's samples on a batch of states (one target each): parse failure rate, mean |V - G| with a
     failure counted as 1 (abs_error_mean) and over parsed samples only, and under `corr_key` the correlation of
@@ -1428,6 +1415,20 @@ def train_step(
         "train/ratio_max": ratio_max,
         **{f"train/{name}": total / total_tokens for name, total in zip(names, stat_totals)},
         "train/nonfinite_skipped": 0.0 if finite else 1.0,
+    }
+
+
+def rollout_metrics(trajectories: Sequence[common.Trajectory]) -> dict:
+    """rollout/ metrics of a batch of trajectories; {} for none."""
+    steps = [step for traj in trajectories for step in traj.steps]
+    if not trajectories:
+        return {}
+    return {
+        "rollout/valid_format_rate": sum(s.valid for s in steps) / max(1, len(steps)),
+        "rollout/admissible_rate": sum(s.admissible for s in steps) / max(1, len(steps)),
+        "rollout/steps": len(steps) / len(trajectories),
+        "rollout/success_rate": sum(t.won for t in trajectories) / len(trajectories),
+        "rollout/generated_tokens": Count(sum(len(s.completion_tokens) for s in steps)),
     }
 
 
