@@ -784,9 +784,78 @@ def main(args: Args) -> Path:
 
 
 # ===== model side: identical in tempo.py and adca_grpo.py =====
-# The plumbing of a training job, byte-identical in both scripts (tests/test_layout.py): start-up checks, loading,
-# sampling, teacher-forced logprobs, the micro-batched optimizer step, run logging, checkpoints, evaluation and the
-# job itself (training_job, train). Reads only the shared Args fields; everything algorithm-specific is passed in.
+# The plumbing of a training job, byte-identical in both scripts (tests/test_layout.py): first the job that main()
+# runs (training_job, train), then start-up checks, loading, sampling, teacher-forced logprobs, the micro-batched
+# optimizer step, run logging, checkpoints and evaluation. Reads only the shared Args fields; everything
+# algorithm-specific is passed in.
+@contextlib.contextmanager
+def training_job(args, algorithm: str, validate_args, resume_may_change: Sequence[str] = ()):
+    """The accelerator, start-up checks (start) and seeds around a run; yields (args as the run uses them,
+    accelerator, checkpoint to resume or evaluate or None, its trainer state or None)."""
+    accelerator = make_accelerator()
+    try:
+        args, checkpoint, trainer_state = start(args, algorithm, accelerator, validate_args, resume_may_change)
+        seed_everything(args.seed + accelerator.process_index)
+        yield args, accelerator, checkpoint, trainer_state
+    finally:
+        close_distributed()
+
+
+def next_fresh_state(rt) -> common.SavedState:
+    """The next of rt.games from its start (games cycle in their shuffled order). A game that passed the start-up
+    parse but does not load is skipped, named on stderr and counted (rt.bad_games): a bad game never ends the run."""
+    for _ in rt.games:
+        game = rt.games[rt.game_cursor % len(rt.games)]
+        rt.game_cursor += 1
+        try:
+            return common.fresh_state(game, rt.protocol, seed=rt.game_cursor)
+        except common.BadGameError as error:
+            rt.bad_games += 1
+            print(f"[games] WARNING: skipped a game that does not load: {error}", file=sys.stderr)
+    raise RuntimeError(f"none of this process's {len(rt.games)} training games loads")
+
+
+def train(rt, algorithm: str, checkpoint, trainer_state, total_updates: int, one_update, eval_steps: int, postfix_keys):
+    """The job around an algorithm's updates: --eval-only, or resume (rt.load_state_dict, then model, optimizer
+    and RNGs), then per update: one_update(rt, update) -> (metrics, samples, tags), metrics reduced over the
+    processes, evaluation every --eval-every, a metrics row (with the tags) and a checkpoint (tags and every
+    process's rt.state_dict()). Returns the run directory."""
+    args, accelerator = rt.args, rt.accelerator
+    if args.eval_only:  # the checkpoint's adapter, one evaluation: one metrics row (update = the checkpoint's)
+        load_checkpoint(checkpoint, rt.model, None, accelerator)
+        run_dir = new_run_dir(args)
+        logger = RunLogger(args, run_dir, accelerator, 1, 0)
+        metrics = evaluate(rt, eval_steps, on_turn=logger.on_turn)
+        logger.log(trainer_state["update"], {"checkpoint": str(checkpoint), **metrics})
+        logger.close()
+        if accelerator.is_main_process:
+            print(json.dumps(metrics, indent=2))
+        return run_dir
+
+    done = trainer_state["update"] if checkpoint is not None else 0
+    run_dir = checkpoint.parent.parent if checkpoint is not None else new_run_dir(args)
+    logger = RunLogger(args, run_dir, accelerator, total_updates, done, postfix_keys)
+    rt.on_turn = logger.on_turn
+    if checkpoint is not None:
+        rt.load_state_dict(trainer_state["rank_states"][accelerator.process_index])
+        load_checkpoint(checkpoint, rt.model, rt.optimizer, accelerator)  # last: the RNG states as they were saved
+        if accelerator.is_main_process:
+            print(f"resumed {checkpoint} (update {done} of {total_updates})", file=sys.stderr)
+
+    for update in range(done + 1, total_updates + 1):
+        metrics, samples, tags = one_update(rt, update)
+        metrics["rollout/bad_games_skipped"], rt.bad_games = Count(rt.bad_games), 0
+        metrics = reduce_metrics(accelerator, metrics)
+        last = update == total_updates
+        if args.eval_every and args.eval_games and (last or update % args.eval_every == 0):
+            metrics.update(evaluate(rt, eval_steps, on_turn=logger.on_turn))
+        logger.log(update, {**tags, **metrics}, samples)
+        if last or (args.save_every and update % args.save_every == 0):
+            save_checkpoint(run_dir, update, rt.model, rt.optimizer, accelerator, algorithm, tags, rt.state_dict())
+    logger.close()
+    return run_dir
+
+
 def validate_model_args(args) -> None:
     """Fail at start, naming the flag, on any shared setting that cannot work."""
     checks = [
@@ -1901,74 +1970,6 @@ def close_distributed() -> None:
     """Two-process CPU runs have hung at exit without this."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
-
-
-@contextlib.contextmanager
-def training_job(args, algorithm: str, validate_args, resume_may_change: Sequence[str] = ()):
-    """The accelerator, start-up checks (start) and seeds around a run; yields (args as the run uses them,
-    accelerator, checkpoint to resume or evaluate or None, its trainer state or None)."""
-    accelerator = make_accelerator()
-    try:
-        args, checkpoint, trainer_state = start(args, algorithm, accelerator, validate_args, resume_may_change)
-        seed_everything(args.seed + accelerator.process_index)
-        yield args, accelerator, checkpoint, trainer_state
-    finally:
-        close_distributed()
-
-
-def next_fresh_state(rt) -> common.SavedState:
-    """The next of rt.games from its start (games cycle in their shuffled order). A game that passed the start-up
-    parse but does not load is skipped, named on stderr and counted (rt.bad_games): a bad game never ends the run."""
-    for _ in rt.games:
-        game = rt.games[rt.game_cursor % len(rt.games)]
-        rt.game_cursor += 1
-        try:
-            return common.fresh_state(game, rt.protocol, seed=rt.game_cursor)
-        except common.BadGameError as error:
-            rt.bad_games += 1
-            print(f"[games] WARNING: skipped a game that does not load: {error}", file=sys.stderr)
-    raise RuntimeError(f"none of this process's {len(rt.games)} training games loads")
-
-
-def train(rt, algorithm: str, checkpoint, trainer_state, total_updates: int, one_update, eval_steps: int, postfix_keys):
-    """The job around an algorithm's updates: --eval-only, or resume (rt.load_state_dict, then model, optimizer
-    and RNGs), then per update: one_update(rt, update) -> (metrics, samples, tags), metrics reduced over the
-    processes, evaluation every --eval-every, a metrics row (with the tags) and a checkpoint (tags and every
-    process's rt.state_dict()). Returns the run directory."""
-    args, accelerator = rt.args, rt.accelerator
-    if args.eval_only:  # the checkpoint's adapter, one evaluation: one metrics row (update = the checkpoint's)
-        load_checkpoint(checkpoint, rt.model, None, accelerator)
-        run_dir = new_run_dir(args)
-        logger = RunLogger(args, run_dir, accelerator, 1, 0)
-        metrics = evaluate(rt, eval_steps, on_turn=logger.on_turn)
-        logger.log(trainer_state["update"], {"checkpoint": str(checkpoint), **metrics})
-        logger.close()
-        if accelerator.is_main_process:
-            print(json.dumps(metrics, indent=2))
-        return run_dir
-
-    done = trainer_state["update"] if checkpoint is not None else 0
-    run_dir = checkpoint.parent.parent if checkpoint is not None else new_run_dir(args)
-    logger = RunLogger(args, run_dir, accelerator, total_updates, done, postfix_keys)
-    rt.on_turn = logger.on_turn
-    if checkpoint is not None:
-        rt.load_state_dict(trainer_state["rank_states"][accelerator.process_index])
-        load_checkpoint(checkpoint, rt.model, rt.optimizer, accelerator)  # last: the RNG states as they were saved
-        if accelerator.is_main_process:
-            print(f"resumed {checkpoint} (update {done} of {total_updates})", file=sys.stderr)
-
-    for update in range(done + 1, total_updates + 1):
-        metrics, samples, tags = one_update(rt, update)
-        metrics["rollout/bad_games_skipped"], rt.bad_games = Count(rt.bad_games), 0
-        metrics = reduce_metrics(accelerator, metrics)
-        last = update == total_updates
-        if args.eval_every and args.eval_games and (last or update % args.eval_every == 0):
-            metrics.update(evaluate(rt, eval_steps, on_turn=logger.on_turn))
-        logger.log(update, {**tags, **metrics}, samples)
-        if last or (args.save_every and update % args.save_every == 0):
-            save_checkpoint(run_dir, update, rt.model, rt.optimizer, accelerator, algorithm, tags, rt.state_dict())
-    logger.close()
-    return run_dir
 
 
 # ===== end model side =====
