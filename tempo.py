@@ -856,6 +856,115 @@ def train(rt, algorithm: str, checkpoint, trainer_state, total_updates: int, one
     return run_dir
 
 
+class StartupError(ValueError):
+    """A bad flag, game, checkpoint or endpoint, found before training (the CLI prints it as one line, exits 2)."""
+
+
+@contextlib.contextmanager
+def starting():
+    """A ValueError raised inside is a StartupError."""
+    try:
+        yield
+    except ValueError as error:
+        raise StartupError(str(error)) from error
+
+
+# Flags a resumed run may change: where and how fast it runs and what it logs, not what it trains.
+RESUME_FREE_FLAGS = (
+    "resume",
+    "eval_only",
+    "output_dir",
+    "track",
+    "wandb_project",
+    "save_every",
+    "eval_every",
+    "eval_games",
+    "threads",
+    "micro_batch_tokens",
+    "sample_batch_size",
+    "sampler",
+    "sampler_url",
+    "sampler_adapter_dir",
+    "sampler_concurrency",
+    "sampler_timeout_s",
+    "sampler_deadline_s",
+)
+
+
+def start(args, algorithm: str, accelerator, validate_args, resume_may_change: Sequence[str] = ()):
+    """Every check that can fail at start, before any model loads: flags, threads, model, output dir, checkpoint,
+    games. Returns (args as the run uses them, checkpoint to load or None, its trainer state or None). The args:
+    data root resolved; --eval-only: every flag left at its default takes the evaluated run's value (its
+    config.json); --resume: flags that change what the run is (all but RESUME_FREE_FLAGS and resume_may_change)
+    must equal the run's."""
+    with starting():
+        validate_model_args(args)  # before looking the checkpoint up (--resume and --eval-only exclude each other)
+        flag, spec = ("--eval-only", args.eval_only) if args.eval_only else ("--resume", args.resume)
+        checkpoint = find_checkpoint(spec, args.output_dir, args.exp_name, args.seed, flag)
+        config_file = checkpoint.parent.parent / "config.json" if checkpoint is not None else None
+        config = json.loads(config_file.read_text()) if config_file is not None and config_file.is_file() else {}
+        if args.eval_only:
+            defaults = dataclasses.asdict(type(args)())
+            inherited = {
+                key: tuple(value) if isinstance(value, list) else value
+                for key, value in config.items()
+                if key in defaults
+                and key not in ("resume", "eval_only", "output_dir", "threads")
+                and getattr(args, key) == defaults[key]
+            }
+            args = dataclasses.replace(args, **inherited)
+        validate_args(args)
+        set_threads(args, int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes)))
+        check_model(args.model)
+        require_writable_dir(args.output_dir, "--output-dir")
+        if checkpoint is None and spec:
+            if args.eval_only:
+                raise ValueError(
+                    f"--eval-only auto: no checkpoint of a run {args.exp_name}__{args.seed}__* in {args.output_dir}"
+                )
+            print(
+                f"[start] --resume auto: no checkpoint of a run {args.exp_name}__{args.seed}__* in "
+                f"{args.output_dir}; starting a new run",
+                file=sys.stderr,
+            )
+        with accelerator.main_process_first():  # the offline game set is generated once, not once per process
+            args = dataclasses.replace(args, data_root=args.data_root or str(common.default_data_root()))
+        state = None
+        if checkpoint is not None:
+            state = check_checkpoint(
+                checkpoint, args, algorithm, flag, None if args.eval_only else accelerator.num_processes
+            )
+            ours, free = json.loads(json.dumps(dataclasses.asdict(args))), (*RESUME_FREE_FLAGS, *resume_may_change)
+            differences = [
+                f"--{key.replace('_', '-')} {ours[key]} (the run: {config[key]})"
+                for key in ours
+                if not args.eval_only and key in config and key not in free and ours[key] != config[key]
+            ]
+            if differences:
+                raise ValueError(
+                    f"--resume {checkpoint}: these flags change what the run is, and differ from its "
+                    f"{config_file}: {'; '.join(differences)}. Pass the run's values, or start a new run"
+                )
+        games = [] if args.eval_only else training_games(args, accelerator)[1]
+        for split in ("valid_seen", "valid_unseen") if args.eval_only or args.eval_every else ():
+            try:
+                games += common.eval_subset(args.data_root, split, args.task_types, args.eval_games)
+            except FileNotFoundError:
+                pass  # evaluate() says so
+        common.check_games(games)
+        return args, checkpoint, state
+
+
+def cli(args_type, main) -> None:
+    """tyro's CLI around main: a StartupError prints just its message and exits 2, as tyro does for a bad flag."""
+    args = tyro.cli(args_type)
+    try:
+        main(args)
+    except StartupError as error:
+        print(f"error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 def validate_model_args(args) -> None:
     """Fail at start, naming the flag, on any shared setting that cannot work."""
     checks = [
@@ -1716,6 +1825,19 @@ def _checkpoints_in(run_dir: Path) -> list[Path]:
     return sorted(p for p in (run_dir / "checkpoints").glob("update_*") if (p / "trainer_state.json").is_file())
 
 
+def load_checkpoint(path: Path, model, optimizer, accelerator) -> None:
+    """Adapter weights; with an optimizer (resuming) also its state and this process's RNG states, so call it
+    right before the first update. Nothing is unpickled: safetensors, and torch.load(weights_only=True)."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    weights = load_file(str(path / "adapter_model.safetensors"))  # on CPU; copied into the parameters' device
+    set_peft_model_state_dict(accelerator.unwrap_model(model), weights)
+    if optimizer is not None:
+        optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True, map_location=accelerator.device))
+        _set_rng_state(torch.load(path / "rng.pt", weights_only=True)[accelerator.process_index])
+
+
 def find_checkpoint(spec: str, output_dir: str, exp_name: str, seed: int, flag: str) -> Path | None:
     """`spec` of --resume / --eval-only: "" -> None; "auto" -> newest checkpoint of the latest run named exp_name
     with this seed (None if there is none); a checkpoint dir; or a run dir (its newest checkpoint)."""
@@ -1786,128 +1908,6 @@ def check_checkpoint(path: Path, args, algorithm: str, flag: str, num_processes:
         if value != ours[name]:
             raise ValueError(f"{name} {ours[name]} does not match the checkpoint {path} ({value})")
     return state
-
-
-class StartupError(ValueError):
-    """A bad flag, game, checkpoint or endpoint, found before training (the CLI prints it as one line, exits 2)."""
-
-
-@contextlib.contextmanager
-def starting():
-    """A ValueError raised inside is a StartupError."""
-    try:
-        yield
-    except ValueError as error:
-        raise StartupError(str(error)) from error
-
-
-# Flags a resumed run may change: where and how fast it runs and what it logs, not what it trains.
-RESUME_FREE_FLAGS = (
-    "resume",
-    "eval_only",
-    "output_dir",
-    "track",
-    "wandb_project",
-    "save_every",
-    "eval_every",
-    "eval_games",
-    "threads",
-    "micro_batch_tokens",
-    "sample_batch_size",
-    "sampler",
-    "sampler_url",
-    "sampler_adapter_dir",
-    "sampler_concurrency",
-    "sampler_timeout_s",
-    "sampler_deadline_s",
-)
-
-
-def start(args, algorithm: str, accelerator, validate_args, resume_may_change: Sequence[str] = ()):
-    """Every check that can fail at start, before any model loads: flags, threads, model, output dir, checkpoint,
-    games. Returns (args as the run uses them, checkpoint to load or None, its trainer state or None). The args:
-    data root resolved; --eval-only: every flag left at its default takes the evaluated run's value (its
-    config.json); --resume: flags that change what the run is (all but RESUME_FREE_FLAGS and resume_may_change)
-    must equal the run's."""
-    with starting():
-        validate_model_args(args)  # before looking the checkpoint up (--resume and --eval-only exclude each other)
-        flag, spec = ("--eval-only", args.eval_only) if args.eval_only else ("--resume", args.resume)
-        checkpoint = find_checkpoint(spec, args.output_dir, args.exp_name, args.seed, flag)
-        config_file = checkpoint.parent.parent / "config.json" if checkpoint is not None else None
-        config = json.loads(config_file.read_text()) if config_file is not None and config_file.is_file() else {}
-        if args.eval_only:
-            defaults = dataclasses.asdict(type(args)())
-            inherited = {
-                key: tuple(value) if isinstance(value, list) else value
-                for key, value in config.items()
-                if key in defaults
-                and key not in ("resume", "eval_only", "output_dir", "threads")
-                and getattr(args, key) == defaults[key]
-            }
-            args = dataclasses.replace(args, **inherited)
-        validate_args(args)
-        set_threads(args, int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes)))
-        check_model(args.model)
-        require_writable_dir(args.output_dir, "--output-dir")
-        if checkpoint is None and spec:
-            if args.eval_only:
-                raise ValueError(
-                    f"--eval-only auto: no checkpoint of a run {args.exp_name}__{args.seed}__* in {args.output_dir}"
-                )
-            print(
-                f"[start] --resume auto: no checkpoint of a run {args.exp_name}__{args.seed}__* in "
-                f"{args.output_dir}; starting a new run",
-                file=sys.stderr,
-            )
-        with accelerator.main_process_first():  # the offline game set is generated once, not once per process
-            args = dataclasses.replace(args, data_root=args.data_root or str(common.default_data_root()))
-        state = None
-        if checkpoint is not None:
-            state = check_checkpoint(
-                checkpoint, args, algorithm, flag, None if args.eval_only else accelerator.num_processes
-            )
-            ours, free = json.loads(json.dumps(dataclasses.asdict(args))), (*RESUME_FREE_FLAGS, *resume_may_change)
-            differences = [
-                f"--{key.replace('_', '-')} {ours[key]} (the run: {config[key]})"
-                for key in ours
-                if not args.eval_only and key in config and key not in free and ours[key] != config[key]
-            ]
-            if differences:
-                raise ValueError(
-                    f"--resume {checkpoint}: these flags change what the run is, and differ from its "
-                    f"{config_file}: {'; '.join(differences)}. Pass the run's values, or start a new run"
-                )
-        games = [] if args.eval_only else training_games(args, accelerator)[1]
-        for split in ("valid_seen", "valid_unseen") if args.eval_only or args.eval_every else ():
-            try:
-                games += common.eval_subset(args.data_root, split, args.task_types, args.eval_games)
-            except FileNotFoundError:
-                pass  # evaluate() says so
-        common.check_games(games)
-        return args, checkpoint, state
-
-
-def cli(args_type, main) -> None:
-    """tyro's CLI around main: a StartupError prints just its message and exits 2, as tyro does for a bad flag."""
-    args = tyro.cli(args_type)
-    try:
-        main(args)
-    except StartupError as error:
-        print(f"error: {error}", file=sys.stderr)
-        raise SystemExit(2) from None
-
-
-def load_checkpoint(path: Path, model, optimizer, accelerator) -> None:
-    """Adapter weights; with an optimizer (resuming) also its state and this process's RNG states, so call it
-    right before the first update. Nothing is unpickled: safetensors, and torch.load(weights_only=True)."""
-    from peft import set_peft_model_state_dict
-    from safetensors.torch import load_file
-
-    weights = load_file(str(path / "adapter_model.safetensors"))  # on CPU; copied into the parameters' device
-    set_peft_model_state_dict(accelerator.unwrap_model(model), weights)
-    if optimizer is not None:
-        optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True, map_location=accelerator.device))
-        _set_rng_state(torch.load(path / "rng.pt", weights_only=True)[accelerator.process_index])
 
 
 def evaluate(rt, max_episode_steps: int, on_turn=None) -> dict:
