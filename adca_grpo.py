@@ -1202,7 +1202,12 @@ def adca_update(rt: Runtime, update: int) -> tuple[dict, list[dict]]:
     generated = [a for advantages in advantages_per_step for a in advantages]
     metrics["train/step_advantage_abs_mean"] = math.fsum(abs(a) for a in generated) / max(1, len(generated))
     metrics |= {"time/rollout": t_rollout - t0, "time/label": t_label - t_rollout, "time/update": t_update - t_label}
-    samples = [
+    return metrics, update_samples(trajectories[:2], outcome_advantages, step_flags, advantages_per_step)
+
+
+def update_samples(trajectories, outcome_advantages, step_flags, advantages_per_step) -> list[dict]:
+    """The given trajectories, readable, with their labels and advantages, for samples.jsonl."""
+    return [
         {
             "game": traj.start.game_file,
             "task": traj.start.task,
@@ -1213,9 +1218,8 @@ def adca_update(rt: Runtime, update: int) -> tuple[dict, list[dict]]:
             "step_advantages": advantages_per_step[i],  # as trained
             "messages": traj.messages[len(traj.start.messages) :],
         }
-        for i, traj in enumerate(trajectories[:2])
+        for i, traj in enumerate(trajectories)
     ]
-    return metrics, samples
 
 
 def label_steps(rt: Runtime, update: int, labelling: bool, trajectories, outcome_advantages, orm_scores):
