@@ -43,11 +43,13 @@ import tyro
 
 import common
 
+# fork 1: the algorithm's name (a checkpoint carries it; another algorithm's is refused) and the docstring
 ALGORITHM = "adca_grpo"
 ORM_DISTRIBUTIONS = ("last_step", "all_steps", "only_prm")
 PERMANENT_HTTP_ERRORS = (400, 401, 403, 404, 422)  # a labeller request that got one of these is not retried
 
 
+# fork 2: the algorithm's flags in Args (keep the shared ones: the plumbing reads them) and in validate_args
 @dataclass
 class Args:
     # ---- model and optimisation (shared with tempo.py) ----
@@ -209,9 +211,1277 @@ class Args:
     """with --sampler vllm: the loss's old logprobs come from a trainer forward pass, not from the server"""
 
 
+# fork 3: the algorithm's signals (here) and its policy_loss (before ppo_update)
+# =============================================================================================
+# ADCA advantages (update steps 2, 4 and 5): AgentEvolver's decouple fusion of labels and outcomes, the plain GRPO
+# baseline
+# =============================================================================================
+EPS = 1e-8
+
+
+def grpo_advantages(orm_scores: Sequence[float], group_ids: Sequence[int]) -> list[float]:
+    """The plain GRPO baseline's outcome advantage, as veRL computes it for AgentEvolver's trainer:
+    (score - group mean) / (unbiased group std + 1e-6); a group of one is left as it is (mean 0, std 1)."""
+    members = defaultdict(list)
+    for i, group in enumerate(group_ids):
+        members[group].append(i)
+    advantages = [0.0] * len(orm_scores)
+    for idxs in members.values():
+        scores = [float(orm_scores[i]) for i in idxs]
+        mean, std = (math.fsum(scores) / len(scores), statistics.stdev(scores)) if len(scores) > 1 else (0.0, 1.0)
+        for i, score in zip(idxs, scores):
+            advantages[i] = (score - mean) / (std + 1e-6)
+    return advantages
+
+
+def group_outcome_advantages(orm_scores: Sequence[float], group_ids: Sequence[int]) -> list[float]:
+    """The decouple's outcome term: z-score of the outcome within its group, population std (only centred
+    when the group's outcomes are all equal, so a uniform group gets exactly 0)."""
+    members = defaultdict(list)
+    for i, group in enumerate(group_ids):
+        members[group].append(i)
+    advantages = [0.0] * len(orm_scores)
+    for idxs in members.values():
+        scores = [float(orm_scores[i]) for i in idxs]
+        mean = math.fsum(scores) / len(scores)
+        std = math.sqrt(math.fsum((s - mean) ** 2 for s in scores) / len(scores))  # population std
+        for i, score in zip(idxs, scores):
+            advantages[i] = score - mean if std <= EPS else (score - mean) / (std + 1e-12)
+    return advantages
+
+
+def _prm_zscores(
+    step_flags: Sequence[Sequence[bool]], group_ids: Sequence[int], fix_base: float, equal_trajectory_weight: bool
+) -> list[list[float]]:
+    """+fix_base for GOOD, -fix_base for BAD, z-scored within each group over its steps."""
+    raw = [[fix_base if flag else -fix_base for flag in flags] for flags in step_flags]
+    members = defaultdict(list)
+    for i, group in enumerate(group_ids):
+        if raw[i]:
+            members[group].append(i)
+    z = [[] for _ in raw]
+    for idxs in members.values():
+        if len({r for i in idxs for r in raw[i]}) == 1:
+            for i in idxs:  # all labels equal: exactly 0 (the formula gives rounding noise / sqrt(eps))
+                z[i] = [0.0] * len(raw[i])
+            continue
+        if equal_trajectory_weight:  # every trajectory weighs the same, however many steps it has
+            mean = math.fsum(math.fsum(raw[i]) / len(raw[i]) for i in idxs) / len(idxs)
+            var = math.fsum(math.fsum((r - mean) ** 2 for r in raw[i]) / len(raw[i]) for i in idxs) / len(idxs)
+            sd = math.sqrt(var + EPS)
+        else:  # every step weighs the same
+            flat = [r for i in idxs for r in raw[i]]
+            mean = math.fsum(flat) / len(flat)
+            sd = max(math.sqrt(math.fsum((r - mean) ** 2 for r in flat) / len(flat)), EPS)
+        for i in idxs:
+            z[i] = [(r - mean) / (sd + 1e-12) for r in raw[i]]
+    return z
+
+
+def _check_decouple_inputs(orm_scores, step_flags, group_ids, orm_distribution):
+    if not len(orm_scores) == len(step_flags) == len(group_ids):
+        raise ValueError(
+            f"orm_scores, step_flags and group_ids differ in length: {len(orm_scores)}, {len(step_flags)}, {len(group_ids)}"
+        )
+    if orm_distribution not in ORM_DISTRIBUTIONS:
+        raise ValueError(f"unknown orm_distribution {orm_distribution!r}; expected one of {ORM_DISTRIBUTIONS}")
+
+
+def decouple_step_rewards(
+    orm_scores: Sequence[float],
+    step_flags: Sequence[Sequence[bool]],
+    group_ids: Sequence[int],
+    *,
+    fix_base: float,
+    alpha: float,
+    orm_distribution: str,
+    equal_trajectory_weight: bool,
+    length_normalization: bool,
+) -> list[list[float]]:
+    """AgentEvolver's `decouple` scheme: PRM labels and ORM outcomes are z-scored separately within
+    each group, then fused per step: alpha * z_prm + the outcome advantage (on the last step, on every
+    step, or nowhere with only_prm), optionally scaled by 1/sqrt(steps). A trajectory without steps gets []."""
+    _check_decouple_inputs(orm_scores, step_flags, group_ids, orm_distribution)
+    prm_z = _prm_zscores(step_flags, group_ids, fix_base, equal_trajectory_weight)
+    outcome_adv = group_outcome_advantages(orm_scores, group_ids)
+    rewards = []
+    for z, adv in zip(prm_z, outcome_adv):
+        num_steps = len(z)
+        scale = 1.0 / math.sqrt(num_steps) if length_normalization and num_steps else 1.0
+        fused = [alpha * zj + adv * _outcome_on_step(orm_distribution, j, num_steps) for j, zj in enumerate(z)]
+        rewards.append([c * scale for c in fused])
+    return rewards
+
+
+def _outcome_on_step(orm_distribution: str, step: int, num_steps: int) -> float:
+    """1 where the decouple adds the outcome advantage to a step's reward, else 0."""
+    return float(orm_distribution == "all_steps" or (orm_distribution == "last_step" and step == num_steps - 1))
+
+
+def decouple_health_metrics(
+    orm_scores: Sequence[float],
+    step_flags: Sequence[Sequence[bool]],
+    group_ids: Sequence[int],
+    *,
+    fix_base: float,
+    alpha: float,
+    orm_distribution: str,
+    equal_trajectory_weight: bool,
+    length_normalization: bool,
+) -> dict[str, float]:
+    """AgentEvolver's decouple dashboard: how large the attribution term is next to the outcome term
+    and whether the labels agree with the outcomes. A trajectory is positive when its score is > 0."""
+    _check_decouple_inputs(orm_scores, step_flags, group_ids, orm_distribution)
+    prm_z = _prm_zscores(step_flags, group_ids, fix_base, equal_trajectory_weight)
+    outcome_adv = group_outcome_advantages(orm_scores, group_ids)
+    fused = decouple_step_rewards(
+        orm_scores,
+        step_flags,
+        group_ids,
+        fix_base=fix_base,
+        alpha=alpha,
+        orm_distribution=orm_distribution,
+        equal_trajectory_weight=equal_trajectory_weight,
+        length_normalization=length_normalization,
+    )
+    attr_values, out_values, shares, alpha_ratios, sign_agree = [], [], [], [], []
+    positives = positive_good_majority = negatives = negative_bad_majority = 0
+    for i, z in enumerate(prm_z):
+        if not z:
+            continue
+        attr_values += z
+        out_values.append(outcome_adv[i])
+        attr_abs = math.fsum(abs(alpha * zj) for zj in z)
+        out_last = abs(outcome_adv[i]) * _outcome_on_step(orm_distribution, len(z) - 1, len(z))
+        out_abs = out_last * (len(z) if orm_distribution == "all_steps" else 1)
+        shares.append(out_last / (out_last + attr_abs + 1e-12))
+        alpha_ratios.append(attr_abs / (out_abs + 1e-12))
+        positive = float(orm_scores[i]) > 0
+        sign_agree.append(float((math.fsum(fused[i]) > 0) == positive))
+        num_good = sum(bool(f) for f in step_flags[i])
+        if positive:
+            positives += 1
+            positive_good_majority += num_good > len(z) - num_good
+        else:
+            negatives += 1
+            negative_bad_majority += num_good <= len(z) - num_good
+
+    def mean(values):
+        return math.fsum(values) / len(values) if values else 0.0
+
+    def std(values):
+        m = mean(values)
+        return math.sqrt(mean([(v - m) ** 2 for v in values])) if values else 0.0
+
+    return {
+        "prm/decouple/attr_mean": mean(attr_values),
+        "prm/decouple/attr_std": std(attr_values),
+        "prm/decouple/out_mean": mean(out_values),
+        "prm/decouple/out_std": std(out_values),
+        "prm/decouple/outcome_share_last_mean": mean(shares),
+        "prm/decouple/alpha_effective": mean(alpha_ratios),
+        "prm/decouple/sum_step_reward_sign_agree": mean(sign_agree),
+        "prm/decouple/pos_traj_prm_good_majority_rate": positive_good_majority / max(1, positives),
+        "prm/decouple/neg_traj_prm_bad_majority_rate": negative_bad_majority / max(1, negatives),
+    }
+
+
+def suffix_sum(step_rewards: Sequence[Sequence[float]]) -> list[list[float]]:
+    """Advantage of step j = sum of the step rewards from j to the end: [1, 2, 3] -> [6, 5, 3]."""
+    out = []
+    for rewards in step_rewards:
+        sums, running = [], 0.0
+        for reward in reversed(rewards):
+            running += reward
+            sums.append(running)
+        out.append(sums[::-1])
+    return out
+
+
+def step_advantages(
+    orm_scores: Sequence[float],
+    step_flags: Sequence[Sequence[bool]],
+    group_ids: Sequence[int],
+    decouple: dict | None,
+) -> list[list[float]]:
+    """The advantage of every step. decouple=None: plain multi-turn GRPO, every step gets its episode's
+    GRPO outcome advantage, whatever the decouple settings say. Otherwise: suffix sums of the decouple's step
+    rewards (decouple_step_rewards' keyword arguments)."""
+    if decouple is None:
+        return [
+            [advantage] * len(flags) for advantage, flags in zip(grpo_advantages(orm_scores, group_ids), step_flags)
+        ]
+    return suffix_sum(decouple_step_rewards(orm_scores, step_flags, group_ids, **decouple))
+
+
+def alpha_at(update: int, args: Args) -> float:
+    """Attribution weight for this update (0-based): constant, or cosine from --alpha down to --alpha-min over the
+    --prm-steps labelled updates."""
+    if not args.attribution:
+        return 0.0
+    if args.alpha_schedule == "constant":
+        return args.alpha
+    progress = min(update / max(1, args.prm_steps - 1), 1.0)
+    return args.alpha_min + 0.5 * (args.alpha - args.alpha_min) * (1.0 + math.cos(math.pi * progress))
+
+
+# =============================================================================================
+# ADCA labels (update step 3): one request per trajectory, every step judged GOOD or BAD
+# =============================================================================================
+# Steps are numbered from 1 in the prompt ("Step 1" is the first step); parse_judgments maps them back to 0-based.
+LABEL_SYSTEM_PROMPT = (
+    "You judge the steps of an agent that played a household text game (ALFWorld). You receive the task with the "
+    "game's first observation (the room and what it holds), the numbered steps (the agent's whole reply - its "
+    "reasoning and the command it sent - then the game's answer) and the episode's outcome: +1 (positive) if the "
+    "agent completed the task, -1 (negative) if it did not.\n"
+    "- Judge every step on its own merit, by what it did and what the game answered. Do not give all steps the same "
+    "label because of the outcome: a won episode can hold useless steps and a lost one useful steps.\n"
+    "- GOOD: the step brought the task closer (going where a needed object or receptacle is, finding, taking, "
+    "opening, cleaning, heating, cooling or placing the right object) or repaired an earlier mistake.\n"
+    "- BAD: the step was useless, repeated, invalid, not admissible or harmful. A step whose result is never used "
+    "later is BAD. Completing the task with the wrong object or in the wrong place is BAD.\n"
+    "Reply in the required format and nothing else."
+)
+
+
+JUDGMENT_PATTERN = re.compile(r"\bstep\s+(\d{1,6})\s*judg(?:e)?ment\s*:\s*(good|bad)\b", re.IGNORECASE)
+
+
+def parse_judgments(text: str, num_steps: int) -> list[bool] | None:
+    """GOOD/BAD flags (True = GOOD) for steps 0..num_steps-1 from `Step i Judgment: GOOD|BAD` lines,
+    where i counts from 1 as in the prompt. Case-insensitive, markdown emphasis ignored, the last
+    judgment of a step wins, numbers outside 1..num_steps are ignored. None unless every step has
+    a judgment (or the input is not text). Never raises."""
+    if not isinstance(text, str) or not isinstance(num_steps, int) or num_steps < 0:
+        return None
+    judgments = {}
+    for match in JUDGMENT_PATTERN.finditer(text.replace("*", "")):
+        step = int(match.group(1)) - 1
+        if 0 <= step < num_steps:
+            judgments[step] = match.group(2).upper() == "GOOD"
+    if len(judgments) != num_steps:
+        return None
+    return [judgments[j] for j in range(num_steps)]
+
+
+def _trim(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[:limit] + " ...[cut]"
+
+
+def describe_steps(traj: common.Trajectory) -> list[tuple[str, str]]:
+    """(the agent's whole reply, the game's answer) per step, as the labeller sees them."""
+    steps = []
+    for step in traj.steps:
+        if not step.valid:
+            answer = "Invalid format: no action was sent, the game did not advance."
+        elif not step.admissible:
+            answer = f"Not an admissible action. {step.observation}"
+        else:
+            answer = step.observation
+        steps.append((step.text.strip(), answer))
+    return steps
+
+
+def outcome_score(orm_score: float) -> float:
+    """The outcome as the labeller is told it (as AgentEvolver sends it): the 0/1 score rescaled to [-1, 1]."""
+    return 2.0 * orm_score - 1.0
+
+
+def build_label_messages(
+    first_observation: str, steps: Sequence[tuple[str, str]], outcome: float, max_step_chars: int
+) -> list[dict]:
+    """The single chat request that asks for a judgment of every step of one trajectory."""
+    polarity = "positive" if outcome > 0 else "negative"
+    lines = [f"TASK AND FIRST OBSERVATION:\n{_trim(first_observation.strip(), max_step_chars)}", ""]
+    lines.append(f"STEPS ({len(steps)} in total):")
+    for j, (reply, answer) in enumerate(steps, start=1):
+        lines += [
+            f"Step {j}",
+            f"Agent: {_trim(reply, max_step_chars)}",
+            f"Game: {_trim(answer, max_step_chars)}",
+            "",
+        ]
+    lines += [
+        f"OUTCOME: {outcome:+.4f} ({polarity})",
+        "",
+        f"Judge every step from 1 to {len(steps)}. Answer in exactly this format, nothing else:",
+        "Step 1 Analysis: <one or two sentences>",
+        "Step 1 Judgment: GOOD or BAD",
+        "Step 2 Analysis: <one or two sentences>",
+        "Step 2 Judgment: GOOD or BAD",
+        "...",
+    ]
+    return [{"role": "system", "content": LABEL_SYSTEM_PROMPT}, {"role": "user", "content": "\n".join(lines)}]
+
+
+@dataclass
+class LabelRequest:
+    trajectory_id: str
+    messages: list[dict]
+    num_steps: int
+
+
+@dataclass
+class LabelReply:
+    text: str | None  # None: no reply (errors, refusals, deadline)
+    error: str | None
+    latency_s: float
+    attempts: int
+
+
+class ContentRefusal(Exception):
+    """The endpoint refused the request on content grounds (moderation)."""
+
+
+def labeler_api_key(args: Args) -> str:
+    """The key from the environment variable named by --labeler-api-key-env (never from a flag, never logged)."""
+    key = os.environ.get(args.labeler_api_key_env)
+    if not key:
+        raise ValueError(
+            f"--labeler-api-key-env names {args.labeler_api_key_env}, which is not set; export the labeller's "
+            "key there (any value, e.g. EMPTY, for a local server without auth)"
+        )
+    return key
+
+
+class ApiLabeler:
+    """Any OpenAI-compatible chat-completions endpoint, through the official async client, with this
+    script's retry policy (the client's own retries are off): 429s back off exponentially with
+    jitter, other errors linearly, refusals and permanent 4xx answers are not retried, nothing outlives the
+    deadline, and a run of connection failures opens a circuit that ends the update's labelling at once."""
+
+    def __init__(self, args: Args, concurrency: int | None = None):
+        self.args, self.api_key = args, labeler_api_key(args)
+        self.model_name = args.labeler_model
+        self.concurrency = concurrency or args.labeler_concurrency  # this process's share of the bound
+        self.circuit_opened = False  # in the last call
+
+    def check_endpoint(self) -> None:
+        """At start, before the model loads: the endpoint answers, serves --labeler-model (when it lists its
+        models) and one tiny request works. Raises one clear ValueError otherwise."""
+        asyncio.run(self._check_endpoint())
+
+    async def _check_endpoint(self) -> None:
+        args, url = self.args, self.args.labeler_base_url
+        client = openai.AsyncOpenAI(base_url=url, api_key=self.api_key, max_retries=0, timeout=args.labeler_timeout_s)
+        async with client:
+            try:
+                served = [model.id for model in (await client.models.list()).data]
+            except openai.APIConnectionError as error:
+                raise ValueError(f"--labeler-base-url {url}: cannot reach the labeller ({error})") from error
+            except openai.NotFoundError:
+                served = None  # no /models route: the request below decides
+            except openai.APIStatusError as error:
+                raise ValueError(f"--labeler-base-url {url}: /models answered {error.status_code} ({error})") from error
+            if served is not None and args.labeler_model not in served:
+                raise ValueError(f"--labeler-model {args.labeler_model} is not served by {url} (it serves {served})")
+            try:
+                await client.chat.completions.create(
+                    model=args.labeler_model,
+                    messages=[{"role": "user", "content": "Reply with OK."}],
+                    temperature=0.0,
+                    max_tokens=1,
+                )
+            except Exception as error:  # noqa: BLE001 - any failure here means the labeller cannot work
+                raise ValueError(
+                    f"--labeler-base-url {url}: a one-token test request to --labeler-model {args.labeler_model} "
+                    f"failed ({type(error).__name__}: {error})"
+                ) from error
+
+    def __call__(self, requests: Sequence[LabelRequest]) -> list[LabelReply]:
+        self.circuit_opened = False
+        return asyncio.run(self._label_all(requests)) if requests else []
+
+    async def _label_all(self, requests: Sequence[LabelRequest]) -> list[LabelReply]:
+        args = self.args
+        deadline = asyncio.get_running_loop().time() + args.labeler_deadline_s
+        semaphore = asyncio.Semaphore(self.concurrency)
+        circuit = CircuitBreaker(args.labeler_circuit_failures)
+        client = openai.AsyncOpenAI(base_url=args.labeler_base_url, api_key=self.api_key, max_retries=0)
+        async with client:
+            replies = await asyncio.gather(
+                *(self._label_one(client, r, semaphore, deadline, circuit) for r in requests)
+            )
+        if circuit.open.is_set():
+            self.circuit_opened = True
+            print(
+                f"\n[labeller] WARNING: {args.labeler_circuit_failures} connection failures in a row to "
+                f"{args.labeler_base_url}: circuit open, {sum(r.text is None for r in replies)} of {len(replies)} "
+                "trajectories of this update get fallback labels; the next update tries again\n",
+                file=sys.stderr,
+            )
+        return list(replies)
+
+    async def _complete(
+        self, client: openai.AsyncOpenAI, messages: list[dict], semaphore: asyncio.Semaphore, circuit: CircuitBreaker
+    ) -> str:
+        async with semaphore:  # held only while a request is in flight, never while backing off
+            if circuit.open.is_set():  # it opened while this request waited for its turn
+                raise CircuitOpen
+            try:  # counted before the next request may start
+                response = await client.chat.completions.create(
+                    model=self.args.labeler_model,
+                    messages=messages,
+                    temperature=0.0,
+                    max_tokens=self.args.labeler_max_new_tokens,
+                    timeout=self.args.labeler_timeout_s,
+                )
+            except Exception as exc:
+                circuit.record(
+                    isinstance(exc, openai.APIConnectionError) and not isinstance(exc, openai.APITimeoutError)
+                )
+                raise
+            circuit.record(connection_failed=False)
+        if not response.choices:
+            raise ValueError("reply without choices")
+        choice = response.choices[0]
+        if choice.finish_reason == "content_filter":
+            raise ContentRefusal("finish_reason content_filter")
+        return choice.message.content or ""
+
+    async def _label_one(
+        self, client, request: LabelRequest, semaphore: asyncio.Semaphore, deadline: float, circuit: CircuitBreaker
+    ) -> LabelReply:
+        args, loop = self.args, asyncio.get_running_loop()
+        start, error, attempts = loop.time(), None, 0
+        while attempts < args.labeler_max_attempts:
+            remaining = deadline - loop.time()
+            if circuit.open.is_set():
+                break
+            if remaining <= 0:
+                error = f"update deadline ({args.labeler_deadline_s} s) passed; last error: {error}"
+                break
+            attempts += 1
+            try:
+                text = await asyncio.wait_for(
+                    self._complete(client, request.messages, semaphore, circuit), timeout=remaining
+                )
+                return LabelReply(text, None, loop.time() - start, attempts)
+            except CircuitOpen:
+                attempts -= 1  # never sent
+                break
+            except TimeoutError:  # the update's deadline, not the per-request timeout (that is openai.APITimeoutError)
+                error = f"update deadline ({args.labeler_deadline_s} s) passed; last error: {error}"
+                break
+            except Exception as exc:  # noqa: BLE001 - every failure is counted, none may crash training
+                error = f"{type(exc).__name__}: {exc}"
+                permanent = isinstance(exc, ContentRefusal) or (
+                    isinstance(exc, openai.APIStatusError) and exc.status_code in PERMANENT_HTTP_ERRORS
+                )
+                if permanent or attempts == args.labeler_max_attempts:
+                    break
+                message = str(exc).lower()
+                if isinstance(exc, openai.RateLimitError) or "rate limit" in message or "429" in message:
+                    wait = min(
+                        args.labeler_rate_limit_backoff_s * 1.5 ** (attempts - 1), args.labeler_rate_limit_backoff_cap_s
+                    )
+                    wait *= 1.0 + 0.25 * random.random()
+                else:
+                    wait = min(args.labeler_error_backoff_s * attempts, args.labeler_error_backoff_cap_s)
+                try:  # an opening circuit ends the wait at once
+                    await asyncio.wait_for(circuit.open.wait(), timeout=max(0.0, min(wait, deadline - loop.time())))
+                except TimeoutError:
+                    pass
+        if circuit.open.is_set():
+            error = f"circuit open ({args.labeler_circuit_failures} connection failures in a row); last error: {error}"
+        return LabelReply(None, error, loop.time() - start, attempts)
+
+
+class CircuitOpen(Exception):
+    """The update's labelling stopped: too many connection failures in a row."""
+
+
+class CircuitBreaker:
+    """Counts connection failures in a row (any other outcome resets the count); `open` is set at the threshold."""
+
+    def __init__(self, threshold: int):
+        self.threshold, self.failures, self.open = threshold, 0, asyncio.Event()
+
+    def record(self, connection_failed: bool) -> None:
+        self.failures = self.failures + 1 if connection_failed else 0
+        if self.failures >= self.threshold:
+            self.open.set()
+
+
+class PolicyLabeler:
+    """The policy model itself labels, greedily, in-process (no key needed). The labels are context
+    for the advantages only: their tokens never enter a training batch."""
+
+    def __init__(
+        self, generate_greedy: Callable[[list[list[int]], int], list[common.Completion]], tokenizer, args: Args
+    ):
+        self.generate_greedy, self.tokenizer, self.args = generate_greedy, tokenizer, args
+        self.model_name = f"self:{args.model}"
+
+    def __call__(self, requests: Sequence[LabelRequest]) -> list[LabelReply]:
+        if not requests:
+            return []
+        start = time.perf_counter()
+        prompts = [
+            self.tokenizer.apply_chat_template(r.messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+            for r in requests
+        ]
+        completions = self.generate_greedy(prompts, self.args.labeler_max_new_tokens)
+        latency = (time.perf_counter() - start) / len(requests)
+        return [LabelReply(c.text, None, latency, 1) for c in completions]
+
+
+def label_trajectories(
+    trajectories: Sequence[common.Trajectory],
+    outcome_advantages: Sequence[float],
+    orm_scores: Sequence[float],
+    labeler: Callable[[Sequence[LabelRequest]], list[LabelReply]],
+    args: Args,
+    update: int,
+    rank: int = 0,
+    log_file: Path | None = None,
+) -> tuple[list[list[bool]], dict[str, float]]:
+    """GOOD/BAD flags for every step of every trajectory, and the prm/* metrics.
+
+    A trajectory skipped by --skip-type (its group outcome advantage is ~0, or it lost), or whose request failed
+    or whose reply did not parse, gets uniform flags: all GOOD if it won, else all BAD."""
+    flags: list[list[bool] | None] = [None] * len(trajectories)
+    requests, request_index, skipped = [], [], 0
+    for i, (traj, advantage, orm) in enumerate(zip(trajectories, outcome_advantages, orm_scores)):
+        skip = (args.skip_type == "skip_small_adv" and abs(advantage) < 1e-8) or (
+            args.skip_type == "skip_all_neg" and orm <= 0
+        )
+        if skip or not traj.steps:
+            skipped += bool(traj.steps)
+            continue
+        messages = build_label_messages(
+            traj.start.observation, describe_steps(traj), outcome_score(orm), args.labeler_max_step_chars
+        )
+        requests.append(LabelRequest(f"u{update}-r{rank}-g{traj.group}-b{traj.branch}", messages, len(traj.steps)))
+        request_index.append(i)
+
+    replies = labeler(requests)
+    failures = parse_failures = judged_steps = judged_good = 0
+    latencies, good_in_won, bad_in_lost = [], [], []
+    for request, i, reply in zip(requests, request_index, replies):
+        parsed = parse_judgments(reply.text, request.num_steps) if reply.text is not None else None
+        failures += reply.text is None
+        parse_failures += reply.text is not None and parsed is None
+        latencies.append(reply.latency_s)
+        if parsed is not None:
+            flags[i] = parsed
+            judged_steps += len(parsed)
+            judged_good += sum(parsed)
+            if orm_scores[i] > 0:
+                good_in_won += parsed
+            else:
+                bad_in_lost += [not flag for flag in parsed]
+        if log_file is not None:
+            record = {
+                "update": update,
+                "trajectory_id": request.trajectory_id,
+                "messages": request.messages,
+                "reply": reply.text,
+                "flags": parsed,
+                "latency_s": round(reply.latency_s, 4),
+                "attempts": reply.attempts,
+                "model": labeler.model_name,
+                "error": reply.error,
+            }
+            with open(log_file, "a") as f:
+                f.write(json.dumps(record) + "\n")
+    for i, traj in enumerate(trajectories):
+        if flags[i] is None:
+            flags[i] = [orm_scores[i] > 0] * len(traj.steps)
+    latencies.sort()
+    metrics = {
+        "prm/label_requests": Count(len(requests)),
+        "prm/label_failures": Count(failures),
+        "prm/parse_failures": Count(parse_failures),
+        "prm/skipped": Count(skipped),
+        "prm/good_rate": judged_good / judged_steps if judged_steps else 0.0,
+        "prm/pos_traj_good_rate": sum(good_in_won) / len(good_in_won) if good_in_won else 0.0,
+        "prm/neg_traj_bad_rate": sum(bad_in_lost) / len(bad_in_lost) if bad_in_lost else 0.0,
+        "prm/circuit_open": float(getattr(labeler, "circuit_opened", False)),
+        "prm/latency_p50": _percentile(latencies, 0.50),
+        "prm/latency_p95": _percentile(latencies, 0.95),
+    }
+    return flags, metrics
+
+
+def _percentile(sorted_values: Sequence[float], q: float) -> float:
+    return float(sorted_values[round(q * (len(sorted_values) - 1))]) if sorted_values else 0.0
+
+
+def oracle_step_flags(traj: common.Trajectory) -> list[bool]:
+    """Privileged judgment of every step: GOOD when it shortened the planner's optimal remaining plan (the winning
+    step included), BAD otherwise (an invalid, inadmissible, useless or harmful step)."""
+    env = common.AlfredEnv(traj.start.game_file)
+    try:
+        env.reset()
+        for action in traj.start.actions:
+            env.step(action)
+
+        def remaining() -> float:
+            plan = env.expert_plan()
+            return 0 if env.turn.won else len(plan) or math.inf  # [] and not won: the goal became unreachable
+
+        before, flags = remaining(), []
+        for step in traj.steps:
+            if step.action is not None:
+                env.step(step.action)
+            after = remaining()
+            flags.append(after < before)
+            before = after
+        return flags
+    finally:
+        env.close()
+
+
+def oracle_labeler(
+    trajectories: Sequence[common.Trajectory], overall_scores: Sequence[float], orm_scores: Sequence[float], args: Args
+) -> tuple[list[list[bool]], dict[str, float]]:
+    """--labeler-backend oracle: label_trajectories' contract (flags, prm/* metrics; --skip-type honoured) with
+    oracle_step_flags instead of an LLM. No requests can fail."""
+    flags, judged, skipped = [], [], 0
+    for traj, overall, orm in zip(trajectories, overall_scores, orm_scores):
+        skip = (args.skip_type == "skip_small_adv" and abs(overall) < 1e-8) or (
+            args.skip_type == "skip_all_neg" and orm <= 0
+        )
+        skipped += skip and bool(traj.steps)
+        flags.append([overall > 0] * len(traj.steps) if skip else oracle_step_flags(traj))
+        judged += [] if skip else flags[-1]
+    metrics = {
+        "prm/label_requests": Count(sum(1 for t in trajectories if t.steps) - skipped),
+        "prm/label_failures": Count(0),
+        "prm/parse_failures": Count(0),
+        "prm/skipped": Count(skipped),
+        "prm/good_rate": sum(judged) / len(judged) if judged else 0.0,
+    }
+    return flags, metrics
+
+
+# =============================================================================================
+# One ADCA-GRPO update
+# =============================================================================================
+def validate_args(args: Args) -> None:
+    validate_model_args(args)
+    checks = [
+        (args.num_updates >= 1, f"--num-updates must be >= 1, got {args.num_updates}"),
+        (args.games_per_update >= 1, f"--games-per-update must be >= 1, got {args.games_per_update}"),
+        (
+            args.trajectories_per_game >= 2,
+            f"--trajectories-per-game must be >= 2 (GRPO compares within a group), got {args.trajectories_per_game}",
+        ),
+        (args.max_turns >= 1, f"--max-turns must be >= 1, got {args.max_turns}"),
+        (args.max_turn_tokens >= 1, f"--max-turn-tokens must be >= 1, got {args.max_turn_tokens}"),
+        (
+            args.max_trajectory_tokens > args.max_turn_tokens,
+            f"--max-trajectory-tokens ({args.max_trajectory_tokens}) must exceed --max-turn-tokens ({args.max_turn_tokens})",
+        ),
+        (0 < args.clip_eps < 1, f"--clip-eps must lie in (0, 1), got {args.clip_eps}"),
+        (
+            args.clip_eps_high is None or args.clip_eps_high > 0,
+            f"--clip-eps-high must be > 0, got {args.clip_eps_high}",
+        ),
+        (
+            args.dual_clip_c is None or args.dual_clip_c > 1,
+            f"--dual-clip-c must be > 1 (the loss cap is c * |A|), got {args.dual_clip_c}",
+        ),
+        (args.kl_beta >= 0, f"--kl-beta must be >= 0, got {args.kl_beta}"),
+        (args.kl_loss_coef >= 0, f"--kl-loss-coef must be >= 0, got {args.kl_loss_coef}"),
+        (args.ppo_epochs >= 1, f"--ppo-epochs must be >= 1, got {args.ppo_epochs}"),
+        (args.mini_batches >= 1, f"--mini-batches must be >= 1, got {args.mini_batches}"),
+        (args.alpha >= 0, f"--alpha must be >= 0, got {args.alpha}"),
+        (
+            args.alpha_schedule in ("constant", "cosine"),
+            f"--alpha-schedule must be constant or cosine, got {args.alpha_schedule!r}",
+        ),
+        (
+            0 <= args.alpha_min <= args.alpha or args.alpha_schedule == "constant",
+            f"--alpha-min must lie in [0, --alpha] for the cosine schedule, got {args.alpha_min}",
+        ),
+        (args.fix_base > 0, f"--fix-base must be > 0, got {args.fix_base}"),
+        (
+            args.orm_distribution in ORM_DISTRIBUTIONS,
+            f"--orm-distribution must be one of {ORM_DISTRIBUTIONS}, got {args.orm_distribution!r}",
+        ),
+        (
+            args.skip_type in ("skip_small_adv", "skip_all_neg", "none"),
+            f"--skip-type must be skip_small_adv, skip_all_neg or none, got {args.skip_type!r}",
+        ),
+        (args.prm_steps >= 0, f"--prm-steps must be >= 0, got {args.prm_steps}"),
+        (
+            args.labeler_backend in ("auto", "api", "self", "oracle"),
+            f"--labeler-backend must be auto, api, self or oracle, got {args.labeler_backend!r}",
+        ),
+        (
+            args.labeler_backend != "api" or bool(args.labeler_base_url),
+            "--labeler-backend api needs --labeler-base-url",
+        ),
+        (
+            not args.labeler_base_url or args.labeler_base_url.startswith(("http://", "https://")),
+            f"--labeler-base-url must start with http:// or https://, got {args.labeler_base_url!r}",
+        ),
+        (bool(args.labeler_model), "--labeler-model must not be empty"),
+        (bool(args.labeler_api_key_env), "--labeler-api-key-env must name an environment variable"),
+        (args.labeler_concurrency >= 1, f"--labeler-concurrency must be >= 1, got {args.labeler_concurrency}"),
+        (args.labeler_timeout_s > 0, f"--labeler-timeout-s must be > 0, got {args.labeler_timeout_s}"),
+        (args.labeler_deadline_s > 0, f"--labeler-deadline-s must be > 0, got {args.labeler_deadline_s}"),
+        (args.labeler_max_attempts >= 1, f"--labeler-max-attempts must be >= 1, got {args.labeler_max_attempts}"),
+        (
+            args.labeler_circuit_failures >= 1,
+            f"--labeler-circuit-failures must be >= 1, got {args.labeler_circuit_failures}",
+        ),
+        (
+            min(
+                args.labeler_rate_limit_backoff_s,
+                args.labeler_rate_limit_backoff_cap_s,
+                args.labeler_error_backoff_s,
+                args.labeler_error_backoff_cap_s,
+            )
+            >= 0,
+            "--labeler-*-backoff-* values must be >= 0",
+        ),
+        (args.labeler_max_step_chars >= 1, f"--labeler-max-step-chars must be >= 1, got {args.labeler_max_step_chars}"),
+        (args.labeler_max_new_tokens >= 1, f"--labeler-max-new-tokens must be >= 1, got {args.labeler_max_new_tokens}"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ValueError(message)
+    if needs_labels(args) and labeler_backend(args) == "api":
+        labeler_api_key(args)
+
+
+def needs_labels(args: Args) -> bool:
+    return args.attribution and args.alpha > 0 and args.prm_steps > 0 and not args.eval_only
+
+
+def labelling_at(update: int, args: Args) -> bool:
+    """Whether update `update` (1-based) asks for labels: attribution on, alpha > 0 now, within --prm-steps."""
+    return needs_labels(args) and alpha_at(update - 1, args) > 0 and update <= args.prm_steps
+
+
+def decouple_settings(args: Args, update: int) -> dict:
+    """decouple_step_rewards' keyword arguments for update `update` (1-based)."""
+    return dict(
+        fix_base=args.fix_base,
+        alpha=alpha_at(update - 1, args),
+        orm_distribution=args.orm_distribution,
+        equal_trajectory_weight=args.equal_trajectory_weight,
+        length_normalization=args.length_normalization,
+    )
+
+
+def trained_decouple(args: Args, update: int) -> dict | None:
+    """The decouple settings that shape update `update`'s advantages, or None: plain multi-turn GRPO (no labels in
+    this update, or --prm-metrics-only), whatever the decouple flags say."""
+    return decouple_settings(args, update) if labelling_at(update, args) and not args.prm_metrics_only else None
+
+
+def labeler_backend(args: Args) -> str:
+    """--labeler-backend auto: the api when an endpoint is configured, else the policy itself."""
+    if args.labeler_backend != "auto":
+        return args.labeler_backend
+    return "api" if args.labeler_base_url else "self"
+
+
+# fork 4: what an update needs (built by make_runtime); per-process state a checkpoint keeps goes into
+# state_dict / load_state_dict
+@dataclass
+class Runtime:
+    args: Args
+    accelerator: object
+    tokenizer: object
+    model: object
+    optimizer: object
+    protocol: common.ChatProtocol
+    sample_fn: common.SampleFn
+    greedy_fn: common.SampleFn
+    labeler: Callable[[Sequence[LabelRequest]], list[LabelReply]] | None  # None: no labels (plain GRPO)
+    label_log: Path | None
+    data_root: str
+    games: list[str]  # this process's shard of the training games, shuffled with the seed
+    game_cursor: int = 0
+    on_turn: Callable[[int, int], None] | None = None  # rollout progress (the logger's turn bar)
+    bad_games: int = 0  # games skipped since the last metrics row (rollout/bad_games_skipped)
+
+    def fresh_state(self) -> common.SavedState:
+        return next_fresh_state(self)
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps of this process."""
+        return {"game_cursor": self.game_cursor}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.game_cursor = state["game_cursor"]
+
+
+def make_runtime(args: Args, accelerator) -> Runtime:
+    """Labeller (an api one checks its key and its endpoint, and gets this process's share of --labeler-concurrency),
+    this process's training games, then the model, samplers and label log."""
+    api_labeler = None
+    if needs_labels(args) and labeler_backend(args) == "api":
+        rank, processes = accelerator.process_index, accelerator.num_processes
+        if args.labeler_concurrency < processes:
+            raise ValueError(
+                f"--labeler-concurrency ({args.labeler_concurrency}) must be >= the number of processes "
+                f"({processes}): it bounds all of them together"
+            )
+        api_labeler = ApiLabeler(
+            args, args.labeler_concurrency // processes + (rank < args.labeler_concurrency % processes)
+        )
+        api_labeler.check_endpoint()
+    label_log = None
+    if args.labeler_log_dir:
+        label_log = (
+            require_writable_dir(args.labeler_log_dir, "--labeler-log-dir")
+            / f"labels_rank{accelerator.process_index}.jsonl"
+        )
+    data_root, games = training_games(args, accelerator)
+    tokenizer, model, optimizer = load_model(args, accelerator)
+    greedy_fn = make_sampler(model, tokenizer, accelerator, args, greedy=True)
+    labeler = None
+    if needs_labels(args):
+        labeler = api_labeler or (
+            oracle_labeler if labeler_backend(args) == "oracle" else PolicyLabeler(greedy_fn, tokenizer, args)
+        )
+    return Runtime(
+        args,
+        accelerator,
+        tokenizer,
+        model,
+        optimizer,
+        common.ChatProtocol(tokenizer),
+        make_sampler(model, tokenizer, accelerator, args),
+        greedy_fn,
+        labeler,
+        label_log,
+        data_root,
+        games,
+    )
+
+
+def group_metrics(groups: Sequence[Sequence[common.Trajectory]]) -> dict:
+    """Groups whose episodes all won or all lost (nothing to compare within them), and games that did not restore."""
+    outcomes = [{traj.won for traj in group} for group in groups if group]
+    return {
+        "rollout/groups_all_won": Count(sum(o == {True} for o in outcomes)),
+        "rollout/groups_all_lost": Count(sum(o == {False} for o in outcomes)),
+        "rollout/restore_failures": Count(sum(not group for group in groups)),
+    }
+
+
+def policy_logprobs(rt: Runtime, datums: Sequence[Datum]) -> list[list[float]]:
+    return sequence_logprobs(
+        rt.model,
+        rt.accelerator,
+        [d.tokens for d in datums],
+        rt.args.temperature,
+        rt.tokenizer.pad_token_id,
+        rt.args.micro_batch_tokens,
+    )
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    batch: dict[str, torch.Tensor],
+    total_tokens: float,
+    *,
+    clip_eps: float = 0.2,
+    clip_eps_high: float | None = None,
+    dual_clip_c: float | None = None,
+    kl_loss_coef: float = 0.0,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """train_step's loss: PPO-clip per generated token, token mean over the whole update (veRL's token-mean).
+
+    ratio = exp(logp - old_logp), loss = max(-A * ratio, -A * clip(ratio, 1 - eps, 1 + eps_high)) (clip-higher when
+    eps_high > eps); dual clip caps the loss of a token with A < 0 at -A * c, so a huge ratio on a bad token cannot
+    dominate; the KL term is k3 = exp(ref - logp) - (ref - logp) - 1 (clamped to [-10, 10] as veRL's low_var_kl)."""
+    mask, advantages = batch["mask"], batch["advantages"]
+    ratio = torch.exp(logprobs - batch["old_logprobs"])
+    eps_high = clip_eps if clip_eps_high is None else clip_eps_high
+    unclipped, clipped = -advantages * ratio, -advantages * ratio.clamp(1.0 - clip_eps, 1.0 + eps_high)
+    per_token = torch.maximum(unclipped, clipped)
+    stats = {"clip_frac": ((clipped > unclipped).float() * mask).sum().item()}
+    if dual_clip_c is not None:
+        capped = torch.minimum(per_token, -advantages * dual_clip_c)
+        dual_clipped = (advantages < 0) & (capped < per_token)
+        per_token = torch.where(advantages < 0, capped, per_token)
+        stats["dual_clip_frac"] = (dual_clipped.float() * mask).sum().item()
+    if kl_loss_coef > 0:
+        log_ratio = batch["ref_logprobs"] - logprobs
+        kl = (torch.exp(log_ratio) - log_ratio - 1.0).clamp(-10.0, 10.0)
+        per_token = per_token + kl_loss_coef * kl
+        stats["kl_k3"] = (kl.detach() * mask).sum().item()
+    return (per_token * mask).sum() / total_tokens, stats
+
+
+def ppo_update(rt: Runtime, datums: list[Datum]) -> dict:
+    """--ppo-epochs passes over the datums, each split at random into --mini-batches optimizer steps. With more than
+    one step the old logprobs are the policy's own before the first (as veRL recomputes them), else the sampler's.
+    Returns train_step's metrics averaged over the steps (tokens: per pass)."""
+    args = rt.args
+    steps = args.ppo_epochs * args.mini_batches
+    if steps > 1 and datums:
+        for datum, logprobs in zip(datums, policy_logprobs(rt, datums)):
+            datum.old_logprobs = logprobs
+    loss_fn = functools.partial(
+        policy_loss,
+        clip_eps=args.clip_eps,
+        clip_eps_high=args.clip_eps_high,
+        dual_clip_c=args.dual_clip_c,
+        kl_loss_coef=args.kl_loss_coef,
+    )
+    per_step = []
+    for _ in range(args.ppo_epochs):
+        order = random.sample(range(len(datums)), len(datums)) if args.mini_batches > 1 else range(len(datums))
+        for part in range(args.mini_batches):
+            per_step.append(
+                train_step(
+                    rt.model,
+                    rt.optimizer,
+                    rt.accelerator,
+                    [datums[i] for i in list(order)[part :: args.mini_batches]],
+                    loss_fn,
+                    temperature=args.temperature,
+                    pad_id=rt.tokenizer.pad_token_id,
+                    micro_batch_tokens=args.micro_batch_tokens,
+                    max_grad_norm=args.max_grad_norm,
+                )
+            )
+    merged = {key: math.fsum(m.get(key, 0.0) for m in per_step) / steps for key in per_step[0]}
+    merged["train/tokens"] = math.fsum(m["train/tokens"] for m in per_step) / args.ppo_epochs
+    merged["train/nonfinite_skipped"] = math.fsum(m["train/nonfinite_skipped"] for m in per_step)
+    merged["train/optimizer_steps"] = float(steps)
+    return merged
+
+
+# fork 5: one update -> (metrics, samples); a metric that counts something is a Count (summed over processes)
+def adca_update(rt: Runtime, update: int) -> tuple[dict, list[dict]]:
+    args, t0 = rt.args, time.time()
+    # ---- step 1: roll out G games x N full episodes
+    starts = [rt.fresh_state() for _ in range(args.games_per_update)]
+    groups = common.rollout(
+        starts,
+        args.trajectories_per_game,
+        rt.sample_fn,
+        rt.protocol,
+        horizon=args.max_turns,
+        max_episode_steps=args.max_turns,
+        max_turn_tokens=args.max_turn_tokens,
+        max_trajectory_tokens=args.max_trajectory_tokens,
+        on_turn=rt.on_turn,
+    )
+    trajectories = [traj for group in groups for traj in group]
+    group_ids = [traj.group for traj in trajectories]
+    t_rollout = time.time()
+
+    # ---- step 2: outcome: ORM score 1 if won else 0, and its advantage within the group (the decouple's z-score;
+    # ~0 marks a group skip_small_adv skips)
+    orm_scores = [1.0 if traj.won else 0.0 for traj in trajectories]
+    outcome_advantages = group_outcome_advantages(orm_scores, group_ids)
+
+    # ---- step 3: label the steps good/bad (only while attribution is on, alpha > 0 and update <= --prm-steps)
+    labelling = labelling_at(update, args)
+    step_flags, metrics = label_steps(rt, update, labelling, trajectories, outcome_advantages, orm_scores)
+    t_label = time.time()
+
+    # ---- steps 4-5: decouple the outcome and the labels into step rewards, suffix sums over the steps
+    # (--prm-metrics-only: only logged); without labels, plain multi-turn GRPO
+    if labelling:
+        metrics |= decouple_health_metrics(orm_scores, step_flags, group_ids, **decouple_settings(args, update))
+    advantages_per_step = step_advantages(orm_scores, step_flags, group_ids, trained_decouple(args, update))
+
+    # ---- step 6: broadcast each step's advantage to the tokens generated at that step
+    datums = trajectory_datums(trajectories, advantages_per_step)
+    metrics |= refresh_old_logprobs(rt.model, rt.accelerator, datums, args, rt.tokenizer.pad_token_id)
+    if (args.kl_beta > 0 or args.kl_loss_coef > 0) and datums:
+        metrics |= add_reference_kl(rt, datums)
+
+    # ---- step 7: PPO-clip, --ppo-epochs passes of --mini-batches optimizer steps each
+    metrics |= ppo_update(rt, datums)
+    t_update = time.time()
+
+    metrics |= rollout_metrics(trajectories) | group_metrics(groups)
+    generated = [a for advantages in advantages_per_step for a in advantages]
+    metrics["train/step_advantage_abs_mean"] = math.fsum(abs(a) for a in generated) / max(1, len(generated))
+    metrics |= {"time/rollout": t_rollout - t0, "time/label": t_label - t_rollout, "time/update": t_update - t_label}
+    return metrics, update_samples(trajectories[:2], outcome_advantages, step_flags, advantages_per_step)
+
+
+def update_samples(trajectories, outcome_advantages, step_flags, advantages_per_step) -> list[dict]:
+    """The given trajectories, readable, with their labels and advantages, for samples.jsonl."""
+    return [
+        {
+            "game": traj.start.game_file,
+            "task": traj.start.task,
+            "won": traj.won,
+            "stop_reason": traj.stop_reason,
+            "outcome_advantage": outcome_advantages[i],
+            "step_flags": step_flags[i],
+            "step_advantages": advantages_per_step[i],  # as trained
+            "messages": traj.messages[len(traj.start.messages) :],
+        }
+        for i, traj in enumerate(trajectories)
+    ]
+
+
+def label_steps(rt: Runtime, update: int, labelling: bool, trajectories, outcome_advantages, orm_scores):
+    """(step flags per trajectory, prm/ metrics) from the labeller; without labelling, uniform flags as for a
+    skipped trajectory (plain GRPO does not read them)."""
+    args = rt.args
+    metrics = {"prm/alpha": alpha_at(update - 1, args) if labelling else 0.0, "prm/labelling": float(labelling)}
+    if not labelling:
+        return [[score > 0] * len(traj.steps) for traj, score in zip(trajectories, orm_scores)], metrics
+    if rt.labeler is oracle_labeler:
+        step_flags, label_metrics = oracle_labeler(trajectories, outcome_advantages, orm_scores, args)
+    else:
+        step_flags, label_metrics = label_trajectories(
+            trajectories,
+            outcome_advantages,
+            orm_scores,
+            rt.labeler,
+            args,
+            update,
+            rt.accelerator.process_index,
+            rt.label_log,
+        )
+    return step_flags, metrics | label_metrics
+
+
+def add_reference_kl(rt: Runtime, datums: list[Datum]) -> dict:
+    """The base model's logprobs on the datums: kept for the loss's KL term (--kl-loss-coef), and the KL as per-token
+    shaping of the advantage (--kl-beta: E[grad log p * (log p - log p_ref)] is its gradient). Returns train/kl."""
+    args = rt.args
+    policy = rt.accelerator.unwrap_model(rt.model)
+    with policy.disable_adapter():
+        reference = policy_logprobs(rt, datums)
+    log_ratios = []
+    for datum, ref in zip(datums, reference):
+        datum.ref_logprobs = ref if args.kl_loss_coef > 0 else None
+        for t, trained in enumerate(datum.mask):
+            if trained:
+                log_ratios.append(datum.old_logprobs[t] - ref[t])
+                datum.advantages[t] -= args.kl_beta * log_ratios[-1]
+    return {"train/kl": math.fsum(log_ratios) / max(1, len(log_ratios))}
+
+
+# =============================================================================================
+# Main: the updates (train(), in the plumbing below, runs the job around them)
+# =============================================================================================
+# fork 6: main: the number of updates, RESUME_MAY_CHANGE, POSTFIX_KEYS
+# Flags that only extend a run, or change how the labeller is reached rather than who labels.
+RESUME_MAY_CHANGE = (
+    "num_updates",
+    "labeler_base_url",
+    "labeler_api_key_env",
+    "labeler_concurrency",
+    "labeler_timeout_s",
+    "labeler_deadline_s",
+    "labeler_max_attempts",
+    "labeler_circuit_failures",
+    "labeler_rate_limit_backoff_s",
+    "labeler_rate_limit_backoff_cap_s",
+    "labeler_error_backoff_s",
+    "labeler_error_backoff_cap_s",
+    "labeler_log_dir",
+)
+POSTFIX_KEYS = ("rollout/success_rate", "prm/good_rate", "prm/label_failures", "train/loss")
+
+
+def main(args: Args) -> Path:
+    """Train (or evaluate, with --eval-only); returns the run directory."""
+    with training_job(args, ALGORITHM, validate_args, RESUME_MAY_CHANGE) as (args, accelerator, checkpoint, state):
+        with starting():  # labeller and sampler endpoint checks
+            rt = make_runtime(args, accelerator)
+        if checkpoint is not None and rt.label_log is not None:
+            drop_rows_after(rt.label_log, state["update"])  # a resumed update labels again
+        labeler = labeler_backend(args) if rt.labeler is not None else "none"
+
+        def one_update(rt: Runtime, update: int) -> tuple[dict, list[dict], dict]:
+            return *adca_update(rt, update), {"labeler": labeler}
+
+        return train(rt, ALGORITHM, checkpoint, state, args.num_updates, one_update, args.max_turns, POSTFIX_KEYS)
+
+
 # ===== model side: identical in tempo.py and adca_grpo.py =====
-# Start-up checks, loading, sampling, teacher-forced logprobs, the loss and update, run logging, checkpoints and
-# evaluation. Reads only the shared Args fields; everything algorithm-specific is passed in.
+# The plumbing of a training job, byte-identical in both scripts (tests/test_layout.py): first the job that main()
+# runs (training_job, train), then start-up checks, loading, sampling, teacher-forced logprobs, the micro-batched
+# optimizer step, run logging, checkpoints and evaluation. Reads only the shared Args fields; everything
+# algorithm-specific is passed in.
+@contextlib.contextmanager
+def training_job(args, algorithm: str, validate_args, resume_may_change: Sequence[str] = ()):
+    """The accelerator, start-up checks (start) and seeds around a run; yields (args as the run uses them,
+    accelerator, checkpoint to resume or evaluate or None, its trainer state or None)."""
+    accelerator = make_accelerator()
+    try:
+        args, checkpoint, trainer_state = start(args, algorithm, accelerator, validate_args, resume_may_change)
+        seed_everything(args.seed + accelerator.process_index)
+        yield args, accelerator, checkpoint, trainer_state
+    finally:
+        close_distributed()
+
+
+def next_fresh_state(rt) -> common.SavedState:
+    """The next of rt.games from its start (games cycle in their shuffled order). A game that passed the start-up
+    parse but does not load is skipped, named on stderr and counted (rt.bad_games): a bad game never ends the run."""
+    for _ in rt.games:
+        game = rt.games[rt.game_cursor % len(rt.games)]
+        rt.game_cursor += 1
+        try:
+            return common.fresh_state(game, rt.protocol, seed=rt.game_cursor)
+        except common.BadGameError as error:
+            rt.bad_games += 1
+            print(f"[games] WARNING: skipped a game that does not load: {error}", file=sys.stderr)
+    raise RuntimeError(f"none of this process's {len(rt.games)} training games loads")
+
+
+def train(rt, algorithm: str, checkpoint, trainer_state, total_updates: int, one_update, eval_steps: int, postfix_keys):
+    """The job around an algorithm's updates: --eval-only, or resume (rt.load_state_dict, then model, optimizer
+    and RNGs), then per update: one_update(rt, update) -> (metrics, samples, tags), metrics reduced over the
+    processes, evaluation every --eval-every, a metrics row (with the tags) and a checkpoint (tags and every
+    process's rt.state_dict()). Returns the run directory."""
+    args, accelerator = rt.args, rt.accelerator
+    if args.eval_only:  # the checkpoint's adapter, one evaluation: one metrics row (update = the checkpoint's)
+        load_checkpoint(checkpoint, rt.model, None, accelerator)
+        run_dir = new_run_dir(args)
+        logger = RunLogger(args, run_dir, accelerator, 1, 0)
+        metrics = evaluate(rt, eval_steps, on_turn=logger.on_turn)
+        logger.log(trainer_state["update"], {"checkpoint": str(checkpoint), **metrics})
+        logger.close()
+        if accelerator.is_main_process:
+            print(json.dumps(metrics, indent=2))
+        return run_dir
+
+    done = trainer_state["update"] if checkpoint is not None else 0
+    run_dir = checkpoint.parent.parent if checkpoint is not None else new_run_dir(args)
+    logger = RunLogger(args, run_dir, accelerator, total_updates, done, postfix_keys)
+    rt.on_turn = logger.on_turn
+    if checkpoint is not None:
+        rt.load_state_dict(trainer_state["rank_states"][accelerator.process_index])
+        load_checkpoint(checkpoint, rt.model, rt.optimizer, accelerator)  # last: the RNG states as they were saved
+        if accelerator.is_main_process:
+            print(f"resumed {checkpoint} (update {done} of {total_updates})", file=sys.stderr)
+
+    for update in range(done + 1, total_updates + 1):
+        metrics, samples, tags = one_update(rt, update)
+        metrics["rollout/bad_games_skipped"], rt.bad_games = Count(rt.bad_games), 0
+        metrics = reduce_metrics(accelerator, metrics)
+        last = update == total_updates
+        if args.eval_every and args.eval_games and (last or update % args.eval_every == 0):
+            metrics.update(evaluate(rt, eval_steps, on_turn=logger.on_turn))
+        logger.log(update, {**tags, **metrics}, samples)
+        if last or (args.save_every and update % args.save_every == 0):
+            save_checkpoint(run_dir, update, rt.model, rt.optimizer, accelerator, algorithm, tags, rt.state_dict())
+    logger.close()
+    return run_dir
+
+
+class StartupError(ValueError):
+    """A bad flag, game, checkpoint or endpoint, found before training (the CLI prints it as one line, exits 2)."""
+
+
+@contextlib.contextmanager
+def starting():
+    """A ValueError raised inside is a StartupError."""
+    try:
+        yield
+    except ValueError as error:
+        raise StartupError(str(error)) from error
+
+
+# Flags a resumed run may change: where and how fast it runs and what it logs, not what it trains.
+RESUME_FREE_FLAGS = (
+    "resume",
+    "eval_only",
+    "output_dir",
+    "track",
+    "wandb_project",
+    "save_every",
+    "eval_every",
+    "eval_games",
+    "threads",
+    "micro_batch_tokens",
+    "sample_batch_size",
+    "sampler",
+    "sampler_url",
+    "sampler_adapter_dir",
+    "sampler_concurrency",
+    "sampler_timeout_s",
+    "sampler_deadline_s",
+)
+
+
+def start(args, algorithm: str, accelerator, validate_args, resume_may_change: Sequence[str] = ()):
+    """Every check that can fail at start, before any model loads: flags, threads, model, output dir, checkpoint,
+    games. Returns (args as the run uses them, checkpoint to load or None, its trainer state or None). The args:
+    data root resolved; --eval-only: every flag left at its default takes the evaluated run's value (its
+    config.json); --resume: flags that change what the run is (all but RESUME_FREE_FLAGS and resume_may_change)
+    must equal the run's."""
+    with starting():
+        validate_model_args(args)  # before looking the checkpoint up (--resume and --eval-only exclude each other)
+        flag, spec = ("--eval-only", args.eval_only) if args.eval_only else ("--resume", args.resume)
+        checkpoint = find_checkpoint(spec, args.output_dir, args.exp_name, args.seed, flag)
+        config_file = checkpoint.parent.parent / "config.json" if checkpoint is not None else None
+        config = json.loads(config_file.read_text()) if config_file is not None and config_file.is_file() else {}
+        if args.eval_only:
+            defaults = dataclasses.asdict(type(args)())
+            inherited = {
+                key: tuple(value) if isinstance(value, list) else value
+                for key, value in config.items()
+                if key in defaults
+                and key not in ("resume", "eval_only", "output_dir", "threads")
+                and getattr(args, key) == defaults[key]
+            }
+            args = dataclasses.replace(args, **inherited)
+        validate_args(args)
+        set_threads(args, int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes)))
+        check_model(args.model)
+        require_writable_dir(args.output_dir, "--output-dir")
+        if checkpoint is None and spec:
+            if args.eval_only:
+                raise ValueError(
+                    f"--eval-only auto: no checkpoint of a run {args.exp_name}__{args.seed}__* in {args.output_dir}"
+                )
+            print(
+                f"[start] --resume auto: no checkpoint of a run {args.exp_name}__{args.seed}__* in "
+                f"{args.output_dir}; starting a new run",
+                file=sys.stderr,
+            )
+        with accelerator.main_process_first():  # the offline game set is generated once, not once per process
+            args = dataclasses.replace(args, data_root=args.data_root or str(common.default_data_root()))
+        state = None
+        if checkpoint is not None:
+            state = check_checkpoint(
+                checkpoint, args, algorithm, flag, None if args.eval_only else accelerator.num_processes
+            )
+            ours, free = json.loads(json.dumps(dataclasses.asdict(args))), (*RESUME_FREE_FLAGS, *resume_may_change)
+            differences = [
+                f"--{key.replace('_', '-')} {ours[key]} (the run: {config[key]})"
+                for key in ours
+                if not args.eval_only and key in config and key not in free and ours[key] != config[key]
+            ]
+            if differences:
+                raise ValueError(
+                    f"--resume {checkpoint}: these flags change what the run is, and differ from its "
+                    f"{config_file}: {'; '.join(differences)}. Pass the run's values, or start a new run"
+                )
+        games = [] if args.eval_only else training_games(args, accelerator)[1]
+        for split in ("valid_seen", "valid_unseen") if args.eval_only or args.eval_every else ():
+            try:
+                games += common.eval_subset(args.data_root, split, args.task_types, args.eval_games)
+            except FileNotFoundError:
+                pass  # evaluate() says so
+        common.check_games(games)
+        return args, checkpoint, state
+
+
+def cli(args_type, main) -> None:
+    """tyro's CLI around main: a StartupError prints just its message and exits 2, as tyro does for a bad flag."""
+    args = tyro.cli(args_type)
+    try:
+        main(args)
+    except StartupError as error:
+        print(f"error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 def validate_model_args(args) -> None:
     """Fail at start, naming the flag, on any shared setting that cannot work."""
     checks = [
@@ -252,15 +1522,6 @@ def validate_model_args(args) -> None:
         (args.threads >= 0, f"--threads must be >= 0, got {args.threads}"),
         (not (args.resume and args.eval_only), "--resume and --eval-only cannot be combined"),
         (not args.eval_only or args.eval_games >= 1, "--eval-only needs --eval-games >= 1"),
-    ]
-    for ok, message in checks:
-        if not ok:
-            raise ValueError(message)
-    validate_sampler_args(args)
-
-
-def validate_sampler_args(args) -> None:
-    checks = [
         (
             args.sampler == "generate" or args.sampler_url.startswith(("http://", "https://")),
             f"--sampler vllm needs --sampler-url http://HOST:PORT/v1, got {args.sampler_url!r}",
@@ -730,6 +1991,38 @@ class Datum:
             raise ValueError("the first token of a datum has no prediction and cannot be trained")
 
 
+def broadcast_to_tokens(step_advantages: Sequence[Sequence[float]], step_ids: torch.Tensor) -> torch.Tensor:
+    """(B, L) step ids (-1 = context) -> (B, L) float advantages: every token generated at step k
+    gets its row's step_advantages[k]; context tokens get 0."""
+    if step_ids.dim() != 2 or len(step_advantages) != step_ids.shape[0]:
+        raise ValueError(
+            f"step_ids must be (B, L) with B = {len(step_advantages)} rows, got shape {tuple(step_ids.shape)}"
+        )
+    width = max((len(row) for row in step_advantages), default=0)
+    table = torch.zeros(len(step_advantages), width + 1, dtype=torch.float32)  # last column: 0 for context
+    for i, row in enumerate(step_advantages):
+        table[i, : len(row)] = torch.tensor(row, dtype=torch.float32)
+    lengths = torch.tensor([len(row) for row in step_advantages]).unsqueeze(1)
+    ids = step_ids.long().cpu()
+    if bool((ids >= lengths).any()):
+        raise ValueError("step_ids refer to a step beyond the advantages given for that row")
+    index = torch.where(ids >= 0, ids, torch.full_like(ids, width))
+    return table.gather(1, index).to(step_ids.device)
+
+
+def trajectory_datums(trajectories: Sequence[common.Trajectory], step_advantages: Sequence[Sequence[float]]):
+    """One datum per trajectory (its saved prefix and its steps): every token generated at its step k is trained with
+    its step_advantages[k]; the prompts and the saved prefix are context."""
+    sequences = [traj.sequence() for traj in trajectories]
+    width = max((len(tokens) for tokens, _, _ in sequences), default=0)
+    step_ids = torch.tensor([ids + [-1] * (width - len(ids)) for _, _, ids in sequences], dtype=torch.long)
+    token_advantages = broadcast_to_tokens(step_advantages, step_ids.view(len(sequences), width)).tolist()
+    return [
+        Datum(list(tokens), list(old_logprobs), advantages[: len(tokens)], [1.0 if k >= 0 else 0.0 for k in ids])
+        for (tokens, old_logprobs, ids), advantages in zip(sequences, token_advantages)
+    ]
+
+
 # loss_fn(logprobs, batch, total_tokens) -> (loss, stats); see train_step
 LossFn = Callable[[torch.Tensor, dict[str, torch.Tensor], float], tuple[torch.Tensor, dict[str, float]]]
 
@@ -820,16 +2113,37 @@ def train_step(
     }
 
 
-def reduce_metrics(accelerator, metrics: dict, sum_keys: Sequence[str] = ()) -> dict:
-    """Metrics of all processes: counts in sum_keys are summed, everything else averaged over the
-    processes that report it."""
+def rollout_metrics(trajectories: Sequence[common.Trajectory]) -> dict:
+    """rollout/ metrics of a batch of trajectories; {} for none."""
+    steps = [step for traj in trajectories for step in traj.steps]
+    if not trajectories:
+        return {}
+    return {
+        "rollout/valid_format_rate": sum(s.valid for s in steps) / max(1, len(steps)),
+        "rollout/admissible_rate": sum(s.admissible for s in steps) / max(1, len(steps)),
+        "rollout/steps": len(steps) / len(trajectories),
+        "rollout/success_rate": sum(t.won for t in trajectories) / len(trajectories),
+        "rollout/generated_tokens": Count(sum(len(s.completion_tokens) for s in steps)),
+    }
+
+
+class Count(float):
+    """A metric that counts something: summed over the processes, where every other metric is averaged."""
+
+
+def reduce_metrics(accelerator, metrics: dict) -> dict:
+    """Metrics of all processes: a Count is summed, everything else averaged over the processes that report it.
+    An int (or bool) metric is refused: a count must say that it is one, or it would be averaged silently."""
     from accelerate.utils import gather_object
 
+    for key, value in metrics.items():
+        if isinstance(value, int):
+            raise TypeError(f"metric {key} is an int: make it Count(...) (summed over processes) or a float (averaged)")
     per_rank = gather_object([metrics]) if accelerator.num_processes > 1 else [metrics]
     merged = {}
     for key in dict.fromkeys(k for m in per_rank for k in m):
         values = [m[key] for m in per_rank if key in m]
-        merged[key] = sum(values) if key in sum_keys else sum(values) / len(values)
+        merged[key] = sum(values) if isinstance(values[0], Count) else sum(values) / len(values)
     return merged
 
 
@@ -1028,6 +2342,19 @@ def _checkpoints_in(run_dir: Path) -> list[Path]:
     return sorted(p for p in (run_dir / "checkpoints").glob("update_*") if (p / "trainer_state.json").is_file())
 
 
+def load_checkpoint(path: Path, model, optimizer, accelerator) -> None:
+    """Adapter weights; with an optimizer (resuming) also its state and this process's RNG states, so call it
+    right before the first update. Nothing is unpickled: safetensors, and torch.load(weights_only=True)."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    weights = load_file(str(path / "adapter_model.safetensors"))  # on CPU; copied into the parameters' device
+    set_peft_model_state_dict(accelerator.unwrap_model(model), weights)
+    if optimizer is not None:
+        optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True, map_location=accelerator.device))
+        _set_rng_state(torch.load(path / "rng.pt", weights_only=True)[accelerator.process_index])
+
+
 def find_checkpoint(spec: str, output_dir: str, exp_name: str, seed: int, flag: str) -> Path | None:
     """`spec` of --resume / --eval-only: "" -> None; "auto" -> newest checkpoint of the latest run named exp_name
     with this seed (None if there is none); a checkpoint dir; or a run dir (its newest checkpoint)."""
@@ -1100,149 +2427,16 @@ def check_checkpoint(path: Path, args, algorithm: str, flag: str, num_processes:
     return state
 
 
-class StartupError(ValueError):
-    """A bad flag, game, checkpoint or endpoint, found before training (the CLI prints it as one line, exits 2)."""
-
-
-@contextlib.contextmanager
-def starting():
-    """A ValueError raised inside is a StartupError."""
-    try:
-        yield
-    except ValueError as error:
-        raise StartupError(str(error)) from error
-
-
-# Flags a resumed run may change: where and how fast it runs and what it logs, not what it trains.
-RESUME_FREE_FLAGS = (
-    "resume",
-    "eval_only",
-    "output_dir",
-    "track",
-    "wandb_project",
-    "save_every",
-    "eval_every",
-    "eval_games",
-    "threads",
-    "micro_batch_tokens",
-    "sample_batch_size",
-    "sampler",
-    "sampler_url",
-    "sampler_adapter_dir",
-    "sampler_concurrency",
-    "sampler_timeout_s",
-    "sampler_deadline_s",
-)
-
-
-def start(args, algorithm: str, accelerator, validate_args, resume_may_change: Sequence[str] = ()):
-    """Every check that can fail at start, before any model loads: flags, threads, model, output dir, checkpoint,
-    games. Returns (args as the run uses them, checkpoint to load or None, its trainer state or None). The args:
-    data root resolved; --eval-only: every flag left at its default takes the evaluated run's value (its
-    config.json); --resume: flags that change what the run is (all but RESUME_FREE_FLAGS and resume_may_change)
-    must equal the run's."""
-    with starting():
-        validate_model_args(args)  # before looking the checkpoint up (--resume and --eval-only exclude each other)
-        flag, spec = ("--eval-only", args.eval_only) if args.eval_only else ("--resume", args.resume)
-        checkpoint = find_checkpoint(spec, args.output_dir, args.exp_name, args.seed, flag)
-        config_file = checkpoint.parent.parent / "config.json" if checkpoint is not None else None
-        config = json.loads(config_file.read_text()) if config_file is not None and config_file.is_file() else {}
-        if args.eval_only:
-            defaults = dataclasses.asdict(type(args)())
-            inherited = {
-                key: tuple(value) if isinstance(value, list) else value
-                for key, value in config.items()
-                if key in defaults
-                and key not in ("resume", "eval_only", "output_dir", "threads")
-                and getattr(args, key) == defaults[key]
-            }
-            args = dataclasses.replace(args, **inherited)
-        validate_args(args)
-        set_threads(args, int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes)))
-        check_model(args.model)
-        require_writable_dir(args.output_dir, "--output-dir")
-        if checkpoint is None and spec:
-            if args.eval_only:
-                raise ValueError(
-                    f"--eval-only auto: no checkpoint of a run {args.exp_name}__{args.seed}__* in {args.output_dir}"
-                )
-            print(
-                f"[start] --resume auto: no checkpoint of a run {args.exp_name}__{args.seed}__* in "
-                f"{args.output_dir}; starting a new run",
-                file=sys.stderr,
-            )
-        with accelerator.main_process_first():  # the offline game set is generated once, not once per process
-            args = dataclasses.replace(args, data_root=args.data_root or str(common.default_data_root()))
-        state = None
-        if checkpoint is not None:
-            state = check_checkpoint(
-                checkpoint, args, algorithm, flag, None if args.eval_only else accelerator.num_processes
-            )
-            ours, free = json.loads(json.dumps(dataclasses.asdict(args))), (*RESUME_FREE_FLAGS, *resume_may_change)
-            differences = [
-                f"--{key.replace('_', '-')} {ours[key]} (the run: {config[key]})"
-                for key in ours
-                if not args.eval_only and key in config and key not in free and ours[key] != config[key]
-            ]
-            if differences:
-                raise ValueError(
-                    f"--resume {checkpoint}: these flags change what the run is, and differ from its "
-                    f"{config_file}: {'; '.join(differences)}. Pass the run's values, or start a new run"
-                )
-        games = [] if args.eval_only else training_games(args, accelerator)[1]
-        for split in ("valid_seen", "valid_unseen") if args.eval_only or args.eval_every else ():
-            try:
-                games += common.eval_subset(args.data_root, split, args.task_types, args.eval_games)
-            except FileNotFoundError:
-                pass  # evaluate() says so
-        common.check_games(games)
-        return args, checkpoint, state
-
-
-def cli(args_type, main) -> None:
-    """tyro's CLI around main: a StartupError prints just its message and exits 2, as tyro does for a bad flag."""
-    args = tyro.cli(args_type)
-    try:
-        main(args)
-    except StartupError as error:
-        print(f"error: {error}", file=sys.stderr)
-        raise SystemExit(2) from None
-
-
-def load_checkpoint(path: Path, model, optimizer, accelerator) -> None:
-    """Adapter weights; with an optimizer (resuming) also its state and this process's RNG states, so call it
-    right before the first update. Nothing is unpickled: safetensors, and torch.load(weights_only=True)."""
-    from peft import set_peft_model_state_dict
-    from safetensors.torch import load_file
-
-    weights = load_file(str(path / "adapter_model.safetensors"))  # on CPU; copied into the parameters' device
-    set_peft_model_state_dict(accelerator.unwrap_model(model), weights)
-    if optimizer is not None:
-        optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True, map_location=accelerator.device))
-        _set_rng_state(torch.load(path / "rng.pt", weights_only=True)[accelerator.process_index])
-
-
-def evaluate(
-    sample_fn: common.SampleFn,
-    protocol: common.ChatProtocol,
-    accelerator,
-    *,
-    data_root,
-    task_types,
-    eval_games: int,
-    max_episode_steps: int,
-    max_turn_tokens: int,
-    max_trajectory_tokens: int,
-    on_turn=None,
-) -> dict:
-    """Greedy episodes on eval_games games (common.eval_subset) of valid_seen and valid_unseen (sharded over processes).
-    invalid_action_rate = turns whose reply was not an admissible action (bad format or not admissible)."""
+def evaluate(rt, max_episode_steps: int, on_turn=None) -> dict:
+    """Greedy episodes (rt.greedy_fn) on --eval-games games (common.eval_subset) of valid_seen and valid_unseen,
+    sharded over the processes. invalid_action_rate = turns whose reply was not an admissible action (bad format or
+    not admissible)."""
     from accelerate.utils import gather_object
 
-    metrics = {}
+    args, accelerator, protocol, metrics = rt.args, rt.accelerator, rt.protocol, {}
     for split in ("valid_seen", "valid_unseen"):
         try:
-            games = common.eval_subset(data_root, split, task_types, eval_games)
+            games = common.eval_subset(args.data_root, split, args.task_types, args.eval_games)
         except FileNotFoundError as error:
             print(f"[eval] skipping {split}: {error}", file=sys.stderr)
             continue
@@ -1252,12 +2446,12 @@ def evaluate(
             common.rollout(
                 starts,
                 1,
-                sample_fn,
+                rt.greedy_fn,
                 protocol,
                 horizon=max_episode_steps,
                 max_episode_steps=max_episode_steps,
-                max_turn_tokens=max_turn_tokens,
-                max_trajectory_tokens=max_trajectory_tokens,
+                max_turn_tokens=args.max_turn_tokens,
+                max_trajectory_tokens=args.max_trajectory_tokens,
                 on_turn=on_turn,
             )
             if starts
@@ -1289,22 +2483,6 @@ def evaluate(
     return metrics
 
 
-def evaluate_checkpoint(
-    args, checkpoint: Path, trainer_state: dict, model, greedy_fn, protocol, accelerator, eval_kwargs
-) -> Path:
-    """--eval-only: the checkpoint's adapter, one greedy evaluation, logged as one metrics.jsonl row (update = the
-    checkpoint's) of a new run dir, and printed."""
-    load_checkpoint(checkpoint, model, None, accelerator)
-    run_dir = new_run_dir(args)
-    logger = RunLogger(args, run_dir, accelerator, 1, 0)
-    metrics = evaluate(greedy_fn, protocol, accelerator, **eval_kwargs, on_turn=logger.on_turn)
-    logger.log(trainer_state["update"], {"checkpoint": str(checkpoint), **metrics})
-    logger.close()
-    if accelerator.is_main_process:
-        print(json.dumps(metrics, indent=2))
-    return run_dir
-
-
 def close_distributed() -> None:
     """Two-process CPU runs have hung at exit without this."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -1312,1170 +2490,6 @@ def close_distributed() -> None:
 
 
 # ===== end model side =====
-
-
-# =============================================================================================
-# ADCA advantages and loss (update steps 2, 4 and 5): AgentEvolver's decouple fusion of labels and outcomes,
-# the plain GRPO baseline, PPO-clip
-# =============================================================================================
-EPS = 1e-8
-
-
-def grpo_advantages(orm_scores: Sequence[float], group_ids: Sequence[int]) -> list[float]:
-    """The plain GRPO baseline's outcome advantage, as veRL computes it for AgentEvolver's trainer:
-    (score - group mean) / (unbiased group std + 1e-6); a group of one is left as it is (mean 0, std 1)."""
-    members = defaultdict(list)
-    for i, group in enumerate(group_ids):
-        members[group].append(i)
-    advantages = [0.0] * len(orm_scores)
-    for idxs in members.values():
-        scores = [float(orm_scores[i]) for i in idxs]
-        mean, std = (math.fsum(scores) / len(scores), statistics.stdev(scores)) if len(scores) > 1 else (0.0, 1.0)
-        for i, score in zip(idxs, scores):
-            advantages[i] = (score - mean) / (std + 1e-6)
-    return advantages
-
-
-def group_outcome_advantages(orm_scores: Sequence[float], group_ids: Sequence[int]) -> list[float]:
-    """The decouple's outcome term: z-score of the outcome within its group, population std (only centred
-    when the group's outcomes are all equal, so a uniform group gets exactly 0)."""
-    members = defaultdict(list)
-    for i, group in enumerate(group_ids):
-        members[group].append(i)
-    advantages = [0.0] * len(orm_scores)
-    for idxs in members.values():
-        scores = [float(orm_scores[i]) for i in idxs]
-        mean = math.fsum(scores) / len(scores)
-        std = math.sqrt(math.fsum((s - mean) ** 2 for s in scores) / len(scores))  # population std
-        for i, score in zip(idxs, scores):
-            advantages[i] = score - mean if std <= EPS else (score - mean) / (std + 1e-12)
-    return advantages
-
-
-def _prm_zscores(
-    step_flags: Sequence[Sequence[bool]], group_ids: Sequence[int], fix_base: float, equal_trajectory_weight: bool
-) -> list[list[float]]:
-    """+fix_base for GOOD, -fix_base for BAD, z-scored within each group over its steps."""
-    raw = [[fix_base if flag else -fix_base for flag in flags] for flags in step_flags]
-    members = defaultdict(list)
-    for i, group in enumerate(group_ids):
-        if raw[i]:
-            members[group].append(i)
-    z = [[] for _ in raw]
-    for idxs in members.values():
-        if len({r for i in idxs for r in raw[i]}) == 1:
-            for i in idxs:  # all labels equal: exactly 0 (the formula gives rounding noise / sqrt(eps))
-                z[i] = [0.0] * len(raw[i])
-            continue
-        if equal_trajectory_weight:  # every trajectory weighs the same, however many steps it has
-            mean = math.fsum(math.fsum(raw[i]) / len(raw[i]) for i in idxs) / len(idxs)
-            var = math.fsum(math.fsum((r - mean) ** 2 for r in raw[i]) / len(raw[i]) for i in idxs) / len(idxs)
-            sd = math.sqrt(var + EPS)
-        else:  # every step weighs the same
-            flat = [r for i in idxs for r in raw[i]]
-            mean = math.fsum(flat) / len(flat)
-            sd = max(math.sqrt(math.fsum((r - mean) ** 2 for r in flat) / len(flat)), EPS)
-        for i in idxs:
-            z[i] = [(r - mean) / (sd + 1e-12) for r in raw[i]]
-    return z
-
-
-def _check_decouple_inputs(orm_scores, step_flags, group_ids, orm_distribution):
-    if not len(orm_scores) == len(step_flags) == len(group_ids):
-        raise ValueError(
-            f"orm_scores, step_flags and group_ids differ in length: {len(orm_scores)}, {len(step_flags)}, {len(group_ids)}"
-        )
-    if orm_distribution not in ORM_DISTRIBUTIONS:
-        raise ValueError(f"unknown orm_distribution {orm_distribution!r}; expected one of {ORM_DISTRIBUTIONS}")
-
-
-def decouple_step_rewards(
-    orm_scores: Sequence[float],
-    step_flags: Sequence[Sequence[bool]],
-    group_ids: Sequence[int],
-    *,
-    fix_base: float,
-    alpha: float,
-    orm_distribution: str,
-    equal_trajectory_weight: bool,
-    length_normalization: bool,
-) -> list[list[float]]:
-    """AgentEvolver's `decouple` scheme: PRM labels and ORM outcomes are z-scored separately within
-    each group, then fused per step: alpha * z_prm + the outcome advantage (on the last step, on every
-    step, or nowhere with only_prm), optionally scaled by 1/sqrt(steps). A trajectory without steps gets []."""
-    _check_decouple_inputs(orm_scores, step_flags, group_ids, orm_distribution)
-    prm_z = _prm_zscores(step_flags, group_ids, fix_base, equal_trajectory_weight)
-    outcome_adv = group_outcome_advantages(orm_scores, group_ids)
-    rewards = []
-    for z, adv in zip(prm_z, outcome_adv):
-        num_steps = len(z)
-        scale = 1.0 / math.sqrt(num_steps) if length_normalization and num_steps else 1.0
-        fused = [alpha * zj + adv * _outcome_on_step(orm_distribution, j, num_steps) for j, zj in enumerate(z)]
-        rewards.append([c * scale for c in fused])
-    return rewards
-
-
-def _outcome_on_step(orm_distribution: str, step: int, num_steps: int) -> float:
-    """1 where the decouple adds the outcome advantage to a step's reward, else 0."""
-    return float(orm_distribution == "all_steps" or (orm_distribution == "last_step" and step == num_steps - 1))
-
-
-def decouple_health_metrics(
-    orm_scores: Sequence[float],
-    step_flags: Sequence[Sequence[bool]],
-    group_ids: Sequence[int],
-    *,
-    fix_base: float,
-    alpha: float,
-    orm_distribution: str,
-    equal_trajectory_weight: bool,
-    length_normalization: bool,
-) -> dict[str, float]:
-    """AgentEvolver's decouple dashboard: how large the attribution term is next to the outcome term
-    and whether the labels agree with the outcomes. A trajectory is positive when its score is > 0."""
-    _check_decouple_inputs(orm_scores, step_flags, group_ids, orm_distribution)
-    prm_z = _prm_zscores(step_flags, group_ids, fix_base, equal_trajectory_weight)
-    outcome_adv = group_outcome_advantages(orm_scores, group_ids)
-    fused = decouple_step_rewards(
-        orm_scores,
-        step_flags,
-        group_ids,
-        fix_base=fix_base,
-        alpha=alpha,
-        orm_distribution=orm_distribution,
-        equal_trajectory_weight=equal_trajectory_weight,
-        length_normalization=length_normalization,
-    )
-    attr_values, out_values, shares, alpha_ratios, sign_agree = [], [], [], [], []
-    positives = positive_good_majority = negatives = negative_bad_majority = 0
-    for i, z in enumerate(prm_z):
-        if not z:
-            continue
-        attr_values += z
-        out_values.append(outcome_adv[i])
-        attr_abs = math.fsum(abs(alpha * zj) for zj in z)
-        out_last = abs(outcome_adv[i]) * _outcome_on_step(orm_distribution, len(z) - 1, len(z))
-        out_abs = out_last * (len(z) if orm_distribution == "all_steps" else 1)
-        shares.append(out_last / (out_last + attr_abs + 1e-12))
-        alpha_ratios.append(attr_abs / (out_abs + 1e-12))
-        positive = float(orm_scores[i]) > 0
-        sign_agree.append(float((math.fsum(fused[i]) > 0) == positive))
-        num_good = sum(bool(f) for f in step_flags[i])
-        if positive:
-            positives += 1
-            positive_good_majority += num_good > len(z) - num_good
-        else:
-            negatives += 1
-            negative_bad_majority += num_good <= len(z) - num_good
-
-    def mean(values):
-        return math.fsum(values) / len(values) if values else 0.0
-
-    def std(values):
-        m = mean(values)
-        return math.sqrt(mean([(v - m) ** 2 for v in values])) if values else 0.0
-
-    return {
-        "prm/decouple/attr_mean": mean(attr_values),
-        "prm/decouple/attr_std": std(attr_values),
-        "prm/decouple/out_mean": mean(out_values),
-        "prm/decouple/out_std": std(out_values),
-        "prm/decouple/outcome_share_last_mean": mean(shares),
-        "prm/decouple/alpha_effective": mean(alpha_ratios),
-        "prm/decouple/sum_step_reward_sign_agree": mean(sign_agree),
-        "prm/decouple/pos_traj_prm_good_majority_rate": positive_good_majority / max(1, positives),
-        "prm/decouple/neg_traj_prm_bad_majority_rate": negative_bad_majority / max(1, negatives),
-    }
-
-
-def suffix_sum(step_rewards: Sequence[Sequence[float]]) -> list[list[float]]:
-    """Advantage of step j = sum of the step rewards from j to the end: [1, 2, 3] -> [6, 5, 3]."""
-    out = []
-    for rewards in step_rewards:
-        sums, running = [], 0.0
-        for reward in reversed(rewards):
-            running += reward
-            sums.append(running)
-        out.append(sums[::-1])
-    return out
-
-
-def broadcast_to_tokens(step_advantages: Sequence[Sequence[float]], step_ids: torch.Tensor) -> torch.Tensor:
-    """(B, L) step ids (-1 = context) -> (B, L) float advantages: every token generated at step k
-    gets its row's step_advantages[k]; context tokens get 0."""
-    if step_ids.dim() != 2 or len(step_advantages) != step_ids.shape[0]:
-        raise ValueError(
-            f"step_ids must be (B, L) with B = {len(step_advantages)} rows, got shape {tuple(step_ids.shape)}"
-        )
-    width = max((len(row) for row in step_advantages), default=0)
-    table = torch.zeros(len(step_advantages), width + 1, dtype=torch.float32)  # last column: 0 for context
-    for i, row in enumerate(step_advantages):
-        table[i, : len(row)] = torch.tensor(row, dtype=torch.float32)
-    lengths = torch.tensor([len(row) for row in step_advantages]).unsqueeze(1)
-    ids = step_ids.long().cpu()
-    if bool((ids >= lengths).any()):
-        raise ValueError("step_ids refer to a step beyond the advantages given for that row")
-    index = torch.where(ids >= 0, ids, torch.full_like(ids, width))
-    return table.gather(1, index).to(step_ids.device)
-
-
-def step_advantages(
-    orm_scores: Sequence[float],
-    step_flags: Sequence[Sequence[bool]],
-    group_ids: Sequence[int],
-    decouple: dict | None,
-) -> list[list[float]]:
-    """The advantage of every step. decouple=None: plain multi-turn GRPO, every step gets its episode's
-    GRPO outcome advantage, whatever the decouple settings say. Otherwise: suffix sums of the decouple's step
-    rewards (decouple_step_rewards' keyword arguments)."""
-    if decouple is None:
-        return [
-            [advantage] * len(flags) for advantage, flags in zip(grpo_advantages(orm_scores, group_ids), step_flags)
-        ]
-    return suffix_sum(decouple_step_rewards(orm_scores, step_flags, group_ids, **decouple))
-
-
-def policy_loss(
-    logprobs: torch.Tensor,
-    batch: dict[str, torch.Tensor],
-    total_tokens: float,
-    *,
-    clip_eps: float = 0.2,
-    clip_eps_high: float | None = None,
-    dual_clip_c: float | None = None,
-    kl_loss_coef: float = 0.0,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """train_step's loss: PPO-clip per generated token, token mean over the whole update (veRL's token-mean).
-
-    ratio = exp(logp - old_logp), loss = max(-A * ratio, -A * clip(ratio, 1 - eps, 1 + eps_high)) (clip-higher when
-    eps_high > eps); dual clip caps the loss of a token with A < 0 at -A * c, so a huge ratio on a bad token cannot
-    dominate; the KL term is k3 = exp(ref - logp) - (ref - logp) - 1 (clamped to [-10, 10] as veRL's low_var_kl)."""
-    mask, advantages = batch["mask"], batch["advantages"]
-    ratio = torch.exp(logprobs - batch["old_logprobs"])
-    eps_high = clip_eps if clip_eps_high is None else clip_eps_high
-    unclipped, clipped = -advantages * ratio, -advantages * ratio.clamp(1.0 - clip_eps, 1.0 + eps_high)
-    per_token = torch.maximum(unclipped, clipped)
-    stats = {"clip_frac": ((clipped > unclipped).float() * mask).sum().item()}
-    if dual_clip_c is not None:
-        capped = torch.minimum(per_token, -advantages * dual_clip_c)
-        dual_clipped = (advantages < 0) & (capped < per_token)
-        per_token = torch.where(advantages < 0, capped, per_token)
-        stats["dual_clip_frac"] = (dual_clipped.float() * mask).sum().item()
-    if kl_loss_coef > 0:
-        log_ratio = batch["ref_logprobs"] - logprobs
-        kl = (torch.exp(log_ratio) - log_ratio - 1.0).clamp(-10.0, 10.0)
-        per_token = per_token + kl_loss_coef * kl
-        stats["kl_k3"] = (kl.detach() * mask).sum().item()
-    return (per_token * mask).sum() / total_tokens, stats
-
-
-def alpha_at(update: int, args: Args) -> float:
-    """Attribution weight for this update (0-based): constant, or cosine from --alpha down to --alpha-min over the
-    --prm-steps labelled updates."""
-    if not args.attribution:
-        return 0.0
-    if args.alpha_schedule == "constant":
-        return args.alpha
-    progress = min(update / max(1, args.prm_steps - 1), 1.0)
-    return args.alpha_min + 0.5 * (args.alpha - args.alpha_min) * (1.0 + math.cos(math.pi * progress))
-
-
-# =============================================================================================
-# ADCA labels (update step 3): one request per trajectory, every step judged GOOD or BAD
-# =============================================================================================
-# Steps are numbered from 1 in the prompt ("Step 1" is the first step); parse_judgments maps them back to 0-based.
-LABEL_SYSTEM_PROMPT = (
-    "You judge the steps of an agent that played a household text game (ALFWorld). You receive the task with the "
-    "game's first observation (the room and what it holds), the numbered steps (the agent's whole reply - its "
-    "reasoning and the command it sent - then the game's answer) and the episode's outcome: +1 (positive) if the "
-    "agent completed the task, -1 (negative) if it did not.\n"
-    "- Judge every step on its own merit, by what it did and what the game answered. Do not give all steps the same "
-    "label because of the outcome: a won episode can hold useless steps and a lost one useful steps.\n"
-    "- GOOD: the step brought the task closer (going where a needed object or receptacle is, finding, taking, "
-    "opening, cleaning, heating, cooling or placing the right object) or repaired an earlier mistake.\n"
-    "- BAD: the step was useless, repeated, invalid, not admissible or harmful. A step whose result is never used "
-    "later is BAD. Completing the task with the wrong object or in the wrong place is BAD.\n"
-    "Reply in the required format and nothing else."
-)
-
-
-JUDGMENT_PATTERN = re.compile(r"\bstep\s+(\d{1,6})\s*judg(?:e)?ment\s*:\s*(good|bad)\b", re.IGNORECASE)
-
-
-def parse_judgments(text: str, num_steps: int) -> list[bool] | None:
-    """GOOD/BAD flags (True = GOOD) for steps 0..num_steps-1 from `Step i Judgment: GOOD|BAD` lines,
-    where i counts from 1 as in the prompt. Case-insensitive, markdown emphasis ignored, the last
-    judgment of a step wins, numbers outside 1..num_steps are ignored. None unless every step has
-    a judgment (or the input is not text). Never raises."""
-    if not isinstance(text, str) or not isinstance(num_steps, int) or num_steps < 0:
-        return None
-    judgments = {}
-    for match in JUDGMENT_PATTERN.finditer(text.replace("*", "")):
-        step = int(match.group(1)) - 1
-        if 0 <= step < num_steps:
-            judgments[step] = match.group(2).upper() == "GOOD"
-    if len(judgments) != num_steps:
-        return None
-    return [judgments[j] for j in range(num_steps)]
-
-
-def _trim(text: str, limit: int) -> str:
-    return text if len(text) <= limit else text[:limit] + " ...[cut]"
-
-
-def describe_steps(traj: common.Trajectory) -> list[tuple[str, str]]:
-    """(the agent's whole reply, the game's answer) per step, as the labeller sees them."""
-    steps = []
-    for step in traj.steps:
-        if not step.valid:
-            answer = "Invalid format: no action was sent, the game did not advance."
-        elif not step.admissible:
-            answer = f"Not an admissible action. {step.observation}"
-        else:
-            answer = step.observation
-        steps.append((step.text.strip(), answer))
-    return steps
-
-
-def outcome_score(orm_score: float) -> float:
-    """The outcome as the labeller is told it (as AgentEvolver sends it): the 0/1 score rescaled to [-1, 1]."""
-    return 2.0 * orm_score - 1.0
-
-
-def build_label_messages(
-    first_observation: str, steps: Sequence[tuple[str, str]], outcome: float, max_step_chars: int
-) -> list[dict]:
-    """The single chat request that asks for a judgment of every step of one trajectory."""
-    polarity = "positive" if outcome > 0 else "negative"
-    lines = [f"TASK AND FIRST OBSERVATION:\n{_trim(first_observation.strip(), max_step_chars)}", ""]
-    lines.append(f"STEPS ({len(steps)} in total):")
-    for j, (reply, answer) in enumerate(steps, start=1):
-        lines += [
-            f"Step {j}",
-            f"Agent: {_trim(reply, max_step_chars)}",
-            f"Game: {_trim(answer, max_step_chars)}",
-            "",
-        ]
-    lines += [
-        f"OUTCOME: {outcome:+.4f} ({polarity})",
-        "",
-        f"Judge every step from 1 to {len(steps)}. Answer in exactly this format, nothing else:",
-        "Step 1 Analysis: <one or two sentences>",
-        "Step 1 Judgment: GOOD or BAD",
-        "Step 2 Analysis: <one or two sentences>",
-        "Step 2 Judgment: GOOD or BAD",
-        "...",
-    ]
-    return [{"role": "system", "content": LABEL_SYSTEM_PROMPT}, {"role": "user", "content": "\n".join(lines)}]
-
-
-@dataclass
-class LabelRequest:
-    trajectory_id: str
-    messages: list[dict]
-    num_steps: int
-
-
-@dataclass
-class LabelReply:
-    text: str | None  # None: no reply (errors, refusals, deadline)
-    error: str | None
-    latency_s: float
-    attempts: int
-
-
-class ContentRefusal(Exception):
-    """The endpoint refused the request on content grounds (moderation)."""
-
-
-def labeler_api_key(args: Args) -> str:
-    """The key from the environment variable named by --labeler-api-key-env (never from a flag, never logged)."""
-    key = os.environ.get(args.labeler_api_key_env)
-    if not key:
-        raise ValueError(
-            f"--labeler-api-key-env names {args.labeler_api_key_env}, which is not set; export the labeller's "
-            "key there (any value, e.g. EMPTY, for a local server without auth)"
-        )
-    return key
-
-
-class ApiLabeler:
-    """Any OpenAI-compatible chat-completions endpoint, through the official async client, with this
-    script's retry policy (the client's own retries are off): 429s back off exponentially with
-    jitter, other errors linearly, refusals and permanent 4xx answers are not retried, nothing outlives the
-    deadline, and a run of connection failures opens a circuit that ends the update's labelling at once."""
-
-    def __init__(self, args: Args, concurrency: int | None = None):
-        self.args, self.api_key = args, labeler_api_key(args)
-        self.model_name = args.labeler_model
-        self.concurrency = concurrency or args.labeler_concurrency  # this process's share of the bound
-        self.circuit_opened = False  # in the last call
-
-    def check_endpoint(self) -> None:
-        """At start, before the model loads: the endpoint answers, serves --labeler-model (when it lists its
-        models) and one tiny request works. Raises one clear ValueError otherwise."""
-        asyncio.run(self._check_endpoint())
-
-    async def _check_endpoint(self) -> None:
-        args, url = self.args, self.args.labeler_base_url
-        client = openai.AsyncOpenAI(base_url=url, api_key=self.api_key, max_retries=0, timeout=args.labeler_timeout_s)
-        async with client:
-            try:
-                served = [model.id for model in (await client.models.list()).data]
-            except openai.APIConnectionError as error:
-                raise ValueError(f"--labeler-base-url {url}: cannot reach the labeller ({error})") from error
-            except openai.NotFoundError:
-                served = None  # no /models route: the request below decides
-            except openai.APIStatusError as error:
-                raise ValueError(f"--labeler-base-url {url}: /models answered {error.status_code} ({error})") from error
-            if served is not None and args.labeler_model not in served:
-                raise ValueError(f"--labeler-model {args.labeler_model} is not served by {url} (it serves {served})")
-            try:
-                await client.chat.completions.create(
-                    model=args.labeler_model,
-                    messages=[{"role": "user", "content": "Reply with OK."}],
-                    temperature=0.0,
-                    max_tokens=1,
-                )
-            except Exception as error:  # noqa: BLE001 - any failure here means the labeller cannot work
-                raise ValueError(
-                    f"--labeler-base-url {url}: a one-token test request to --labeler-model {args.labeler_model} "
-                    f"failed ({type(error).__name__}: {error})"
-                ) from error
-
-    def __call__(self, requests: Sequence[LabelRequest]) -> list[LabelReply]:
-        self.circuit_opened = False
-        return asyncio.run(self._label_all(requests)) if requests else []
-
-    async def _label_all(self, requests: Sequence[LabelRequest]) -> list[LabelReply]:
-        args = self.args
-        deadline = asyncio.get_running_loop().time() + args.labeler_deadline_s
-        semaphore = asyncio.Semaphore(self.concurrency)
-        circuit = CircuitBreaker(args.labeler_circuit_failures)
-        client = openai.AsyncOpenAI(base_url=args.labeler_base_url, api_key=self.api_key, max_retries=0)
-        async with client:
-            replies = await asyncio.gather(
-                *(self._label_one(client, r, semaphore, deadline, circuit) for r in requests)
-            )
-        if circuit.open.is_set():
-            self.circuit_opened = True
-            print(
-                f"\n[labeller] WARNING: {args.labeler_circuit_failures} connection failures in a row to "
-                f"{args.labeler_base_url}: circuit open, {sum(r.text is None for r in replies)} of {len(replies)} "
-                "trajectories of this update get fallback labels; the next update tries again\n",
-                file=sys.stderr,
-            )
-        return list(replies)
-
-    async def _complete(
-        self, client: openai.AsyncOpenAI, messages: list[dict], semaphore: asyncio.Semaphore, circuit: CircuitBreaker
-    ) -> str:
-        async with semaphore:  # held only while a request is in flight, never while backing off
-            if circuit.open.is_set():  # it opened while this request waited for its turn
-                raise CircuitOpen
-            try:  # counted before the next request may start
-                response = await client.chat.completions.create(
-                    model=self.args.labeler_model,
-                    messages=messages,
-                    temperature=0.0,
-                    max_tokens=self.args.labeler_max_new_tokens,
-                    timeout=self.args.labeler_timeout_s,
-                )
-            except Exception as exc:
-                circuit.record(
-                    isinstance(exc, openai.APIConnectionError) and not isinstance(exc, openai.APITimeoutError)
-                )
-                raise
-            circuit.record(connection_failed=False)
-        if not response.choices:
-            raise ValueError("reply without choices")
-        choice = response.choices[0]
-        if choice.finish_reason == "content_filter":
-            raise ContentRefusal("finish_reason content_filter")
-        return choice.message.content or ""
-
-    async def _label_one(
-        self, client, request: LabelRequest, semaphore: asyncio.Semaphore, deadline: float, circuit: CircuitBreaker
-    ) -> LabelReply:
-        args, loop = self.args, asyncio.get_running_loop()
-        start, error, attempts = loop.time(), None, 0
-        while attempts < args.labeler_max_attempts:
-            remaining = deadline - loop.time()
-            if circuit.open.is_set():
-                break
-            if remaining <= 0:
-                error = f"update deadline ({args.labeler_deadline_s} s) passed; last error: {error}"
-                break
-            attempts += 1
-            try:
-                text = await asyncio.wait_for(
-                    self._complete(client, request.messages, semaphore, circuit), timeout=remaining
-                )
-                return LabelReply(text, None, loop.time() - start, attempts)
-            except CircuitOpen:
-                attempts -= 1  # never sent
-                break
-            except TimeoutError:  # the update's deadline, not the per-request timeout (that is openai.APITimeoutError)
-                error = f"update deadline ({args.labeler_deadline_s} s) passed; last error: {error}"
-                break
-            except Exception as exc:  # noqa: BLE001 - every failure is counted, none may crash training
-                error = f"{type(exc).__name__}: {exc}"
-                permanent = isinstance(exc, ContentRefusal) or (
-                    isinstance(exc, openai.APIStatusError) and exc.status_code in PERMANENT_HTTP_ERRORS
-                )
-                if permanent or attempts == args.labeler_max_attempts:
-                    break
-                message = str(exc).lower()
-                if isinstance(exc, openai.RateLimitError) or "rate limit" in message or "429" in message:
-                    wait = min(
-                        args.labeler_rate_limit_backoff_s * 1.5 ** (attempts - 1), args.labeler_rate_limit_backoff_cap_s
-                    )
-                    wait *= 1.0 + 0.25 * random.random()
-                else:
-                    wait = min(args.labeler_error_backoff_s * attempts, args.labeler_error_backoff_cap_s)
-                try:  # an opening circuit ends the wait at once
-                    await asyncio.wait_for(circuit.open.wait(), timeout=max(0.0, min(wait, deadline - loop.time())))
-                except TimeoutError:
-                    pass
-        if circuit.open.is_set():
-            error = f"circuit open ({args.labeler_circuit_failures} connection failures in a row); last error: {error}"
-        return LabelReply(None, error, loop.time() - start, attempts)
-
-
-class CircuitOpen(Exception):
-    """The update's labelling stopped: too many connection failures in a row."""
-
-
-class CircuitBreaker:
-    """Counts connection failures in a row (any other outcome resets the count); `open` is set at the threshold."""
-
-    def __init__(self, threshold: int):
-        self.threshold, self.failures, self.open = threshold, 0, asyncio.Event()
-
-    def record(self, connection_failed: bool) -> None:
-        self.failures = self.failures + 1 if connection_failed else 0
-        if self.failures >= self.threshold:
-            self.open.set()
-
-
-class PolicyLabeler:
-    """The policy model itself labels, greedily, in-process (no key needed). The labels are context
-    for the advantages only: their tokens never enter a training batch."""
-
-    def __init__(
-        self, generate_greedy: Callable[[list[list[int]], int], list[common.Completion]], tokenizer, args: Args
-    ):
-        self.generate_greedy, self.tokenizer, self.args = generate_greedy, tokenizer, args
-        self.model_name = f"self:{args.model}"
-
-    def __call__(self, requests: Sequence[LabelRequest]) -> list[LabelReply]:
-        if not requests:
-            return []
-        start = time.perf_counter()
-        prompts = [
-            self.tokenizer.apply_chat_template(r.messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-            for r in requests
-        ]
-        completions = self.generate_greedy(prompts, self.args.labeler_max_new_tokens)
-        latency = (time.perf_counter() - start) / len(requests)
-        return [LabelReply(c.text, None, latency, 1) for c in completions]
-
-
-def label_trajectories(
-    trajectories: Sequence[common.Trajectory],
-    outcome_advantages: Sequence[float],
-    orm_scores: Sequence[float],
-    labeler: Callable[[Sequence[LabelRequest]], list[LabelReply]],
-    args: Args,
-    update: int,
-    rank: int = 0,
-    log_file: Path | None = None,
-) -> tuple[list[list[bool]], dict[str, float]]:
-    """GOOD/BAD flags for every step of every trajectory, and the prm/* metrics.
-
-    A trajectory skipped by --skip-type (its group outcome advantage is ~0, or it lost), or whose request failed
-    or whose reply did not parse, gets uniform flags: all GOOD if it won, else all BAD."""
-    flags: list[list[bool] | None] = [None] * len(trajectories)
-    requests, request_index, skipped = [], [], 0
-    for i, (traj, advantage, orm) in enumerate(zip(trajectories, outcome_advantages, orm_scores)):
-        skip = (args.skip_type == "skip_small_adv" and abs(advantage) < 1e-8) or (
-            args.skip_type == "skip_all_neg" and orm <= 0
-        )
-        if skip or not traj.steps:
-            skipped += bool(traj.steps)
-            continue
-        messages = build_label_messages(
-            traj.start.observation, describe_steps(traj), outcome_score(orm), args.labeler_max_step_chars
-        )
-        requests.append(LabelRequest(f"u{update}-r{rank}-g{traj.group}-b{traj.branch}", messages, len(traj.steps)))
-        request_index.append(i)
-
-    replies = labeler(requests)
-    failures = parse_failures = judged_steps = judged_good = 0
-    latencies, good_in_won, bad_in_lost = [], [], []
-    for request, i, reply in zip(requests, request_index, replies):
-        parsed = parse_judgments(reply.text, request.num_steps) if reply.text is not None else None
-        failures += reply.text is None
-        parse_failures += reply.text is not None and parsed is None
-        latencies.append(reply.latency_s)
-        if parsed is not None:
-            flags[i] = parsed
-            judged_steps += len(parsed)
-            judged_good += sum(parsed)
-            if orm_scores[i] > 0:
-                good_in_won += parsed
-            else:
-                bad_in_lost += [not flag for flag in parsed]
-        if log_file is not None:
-            record = {
-                "update": update,
-                "trajectory_id": request.trajectory_id,
-                "messages": request.messages,
-                "reply": reply.text,
-                "flags": parsed,
-                "latency_s": round(reply.latency_s, 4),
-                "attempts": reply.attempts,
-                "model": labeler.model_name,
-                "error": reply.error,
-            }
-            with open(log_file, "a") as f:
-                f.write(json.dumps(record) + "\n")
-    for i, traj in enumerate(trajectories):
-        if flags[i] is None:
-            flags[i] = [orm_scores[i] > 0] * len(traj.steps)
-    latencies.sort()
-    metrics = {
-        "prm/label_requests": float(len(requests)),
-        "prm/label_failures": float(failures),
-        "prm/parse_failures": float(parse_failures),
-        "prm/skipped": float(skipped),
-        "prm/good_rate": judged_good / judged_steps if judged_steps else 0.0,
-        "prm/pos_traj_good_rate": sum(good_in_won) / len(good_in_won) if good_in_won else 0.0,
-        "prm/neg_traj_bad_rate": sum(bad_in_lost) / len(bad_in_lost) if bad_in_lost else 0.0,
-        "prm/circuit_open": float(getattr(labeler, "circuit_opened", False)),
-        "prm/latency_p50": _percentile(latencies, 0.50),
-        "prm/latency_p95": _percentile(latencies, 0.95),
-    }
-    return flags, metrics
-
-
-def _percentile(sorted_values: Sequence[float], q: float) -> float:
-    return float(sorted_values[round(q * (len(sorted_values) - 1))]) if sorted_values else 0.0
-
-
-def oracle_step_flags(traj: common.Trajectory) -> list[bool]:
-    """Privileged judgment of every step: GOOD when it shortened the planner's optimal remaining plan (the winning
-    step included), BAD otherwise (an invalid, inadmissible, useless or harmful step)."""
-    env = common.AlfredEnv(traj.start.game_file)
-    try:
-        env.reset()
-        for action in traj.start.actions:
-            env.step(action)
-
-        def remaining() -> float:
-            plan = env.expert_plan()
-            return 0 if env.turn.won else len(plan) or math.inf  # [] and not won: the goal became unreachable
-
-        before, flags = remaining(), []
-        for step in traj.steps:
-            if step.action is not None:
-                env.step(step.action)
-            after = remaining()
-            flags.append(after < before)
-            before = after
-        return flags
-    finally:
-        env.close()
-
-
-def oracle_labeler(
-    trajectories: Sequence[common.Trajectory], overall_scores: Sequence[float], orm_scores: Sequence[float], args: Args
-) -> tuple[list[list[bool]], dict[str, float]]:
-    """--labeler-backend oracle: label_trajectories' contract (flags, prm/* metrics; --skip-type honoured) with
-    oracle_step_flags instead of an LLM. No requests can fail."""
-    flags, judged, skipped = [], [], 0
-    for traj, overall, orm in zip(trajectories, overall_scores, orm_scores):
-        skip = (args.skip_type == "skip_small_adv" and abs(overall) < 1e-8) or (
-            args.skip_type == "skip_all_neg" and orm <= 0
-        )
-        skipped += skip and bool(traj.steps)
-        flags.append([overall > 0] * len(traj.steps) if skip else oracle_step_flags(traj))
-        judged += [] if skip else flags[-1]
-    metrics = {
-        "prm/label_requests": float(sum(1 for t in trajectories if t.steps) - skipped),
-        "prm/label_failures": 0.0,
-        "prm/parse_failures": 0.0,
-        "prm/skipped": float(skipped),
-        "prm/good_rate": sum(judged) / len(judged) if judged else 0.0,
-    }
-    return flags, metrics
-
-
-# =============================================================================================
-# One ADCA-GRPO update
-# =============================================================================================
-def validate_args(args: Args) -> None:
-    validate_model_args(args)
-    checks = [
-        (args.num_updates >= 1, f"--num-updates must be >= 1, got {args.num_updates}"),
-        (args.games_per_update >= 1, f"--games-per-update must be >= 1, got {args.games_per_update}"),
-        (
-            args.trajectories_per_game >= 2,
-            f"--trajectories-per-game must be >= 2 (GRPO compares within a group), got {args.trajectories_per_game}",
-        ),
-        (args.max_turns >= 1, f"--max-turns must be >= 1, got {args.max_turns}"),
-        (args.max_turn_tokens >= 1, f"--max-turn-tokens must be >= 1, got {args.max_turn_tokens}"),
-        (
-            args.max_trajectory_tokens > args.max_turn_tokens,
-            f"--max-trajectory-tokens ({args.max_trajectory_tokens}) must exceed --max-turn-tokens ({args.max_turn_tokens})",
-        ),
-        (0 < args.clip_eps < 1, f"--clip-eps must lie in (0, 1), got {args.clip_eps}"),
-        (
-            args.clip_eps_high is None or args.clip_eps_high > 0,
-            f"--clip-eps-high must be > 0, got {args.clip_eps_high}",
-        ),
-        (
-            args.dual_clip_c is None or args.dual_clip_c > 1,
-            f"--dual-clip-c must be > 1 (the loss cap is c * |A|), got {args.dual_clip_c}",
-        ),
-        (args.kl_beta >= 0, f"--kl-beta must be >= 0, got {args.kl_beta}"),
-        (args.kl_loss_coef >= 0, f"--kl-loss-coef must be >= 0, got {args.kl_loss_coef}"),
-        (args.ppo_epochs >= 1, f"--ppo-epochs must be >= 1, got {args.ppo_epochs}"),
-        (args.mini_batches >= 1, f"--mini-batches must be >= 1, got {args.mini_batches}"),
-        (args.alpha >= 0, f"--alpha must be >= 0, got {args.alpha}"),
-        (
-            args.alpha_schedule in ("constant", "cosine"),
-            f"--alpha-schedule must be constant or cosine, got {args.alpha_schedule!r}",
-        ),
-        (
-            0 <= args.alpha_min <= args.alpha or args.alpha_schedule == "constant",
-            f"--alpha-min must lie in [0, --alpha] for the cosine schedule, got {args.alpha_min}",
-        ),
-        (args.fix_base > 0, f"--fix-base must be > 0, got {args.fix_base}"),
-        (
-            args.orm_distribution in ORM_DISTRIBUTIONS,
-            f"--orm-distribution must be one of {ORM_DISTRIBUTIONS}, got {args.orm_distribution!r}",
-        ),
-        (
-            args.skip_type in ("skip_small_adv", "skip_all_neg", "none"),
-            f"--skip-type must be skip_small_adv, skip_all_neg or none, got {args.skip_type!r}",
-        ),
-        (args.prm_steps >= 0, f"--prm-steps must be >= 0, got {args.prm_steps}"),
-        (
-            args.labeler_backend in ("auto", "api", "self", "oracle"),
-            f"--labeler-backend must be auto, api, self or oracle, got {args.labeler_backend!r}",
-        ),
-        (
-            args.labeler_backend != "api" or bool(args.labeler_base_url),
-            "--labeler-backend api needs --labeler-base-url",
-        ),
-        (
-            not args.labeler_base_url or args.labeler_base_url.startswith(("http://", "https://")),
-            f"--labeler-base-url must start with http:// or https://, got {args.labeler_base_url!r}",
-        ),
-        (bool(args.labeler_model), "--labeler-model must not be empty"),
-        (bool(args.labeler_api_key_env), "--labeler-api-key-env must name an environment variable"),
-        (args.labeler_concurrency >= 1, f"--labeler-concurrency must be >= 1, got {args.labeler_concurrency}"),
-        (args.labeler_timeout_s > 0, f"--labeler-timeout-s must be > 0, got {args.labeler_timeout_s}"),
-        (args.labeler_deadline_s > 0, f"--labeler-deadline-s must be > 0, got {args.labeler_deadline_s}"),
-        (args.labeler_max_attempts >= 1, f"--labeler-max-attempts must be >= 1, got {args.labeler_max_attempts}"),
-        (
-            args.labeler_circuit_failures >= 1,
-            f"--labeler-circuit-failures must be >= 1, got {args.labeler_circuit_failures}",
-        ),
-        (
-            min(
-                args.labeler_rate_limit_backoff_s,
-                args.labeler_rate_limit_backoff_cap_s,
-                args.labeler_error_backoff_s,
-                args.labeler_error_backoff_cap_s,
-            )
-            >= 0,
-            "--labeler-*-backoff-* values must be >= 0",
-        ),
-        (args.labeler_max_step_chars >= 1, f"--labeler-max-step-chars must be >= 1, got {args.labeler_max_step_chars}"),
-        (args.labeler_max_new_tokens >= 1, f"--labeler-max-new-tokens must be >= 1, got {args.labeler_max_new_tokens}"),
-    ]
-    for ok, message in checks:
-        if not ok:
-            raise ValueError(message)
-    if needs_labels(args) and labeler_backend(args) == "api":
-        labeler_api_key(args)
-
-
-def needs_labels(args: Args) -> bool:
-    return args.attribution and args.alpha > 0 and args.prm_steps > 0 and not args.eval_only
-
-
-def labelling_at(update: int, args: Args) -> bool:
-    """Whether update `update` (1-based) asks for labels: attribution on, alpha > 0 now, within --prm-steps."""
-    return needs_labels(args) and alpha_at(update - 1, args) > 0 and update <= args.prm_steps
-
-
-def decouple_settings(args: Args, update: int) -> dict:
-    """decouple_step_rewards' keyword arguments for update `update` (1-based)."""
-    return dict(
-        fix_base=args.fix_base,
-        alpha=alpha_at(update - 1, args),
-        orm_distribution=args.orm_distribution,
-        equal_trajectory_weight=args.equal_trajectory_weight,
-        length_normalization=args.length_normalization,
-    )
-
-
-def trained_decouple(args: Args, update: int) -> dict | None:
-    """The decouple settings that shape update `update`'s advantages, or None: plain multi-turn GRPO (no labels in
-    this update, or --prm-metrics-only), whatever the decouple flags say."""
-    return decouple_settings(args, update) if labelling_at(update, args) and not args.prm_metrics_only else None
-
-
-def labeler_backend(args: Args) -> str:
-    """--labeler-backend auto: the api when an endpoint is configured, else the policy itself."""
-    if args.labeler_backend != "auto":
-        return args.labeler_backend
-    return "api" if args.labeler_base_url else "self"
-
-
-@dataclass
-class Runtime:
-    args: Args
-    accelerator: object
-    tokenizer: object
-    model: object
-    optimizer: object
-    protocol: common.ChatProtocol
-    sample_fn: common.SampleFn
-    greedy_fn: common.SampleFn
-    labeler: Callable[[Sequence[LabelRequest]], list[LabelReply]] | None  # None: no labels (plain GRPO)
-    label_log: Path | None
-    data_root: str
-    games: list[str]  # this process's shard of the training games, shuffled with the seed
-    game_cursor: int = 0
-    on_turn: Callable[[int, int], None] | None = None  # rollout progress (the logger's turn bar)
-    bad_games: int = 0  # games skipped since the last metrics row (rollout/bad_games_skipped)
-
-    def fresh_state(self) -> common.SavedState:
-        """The next training game from its start (games cycle in their shuffled order). A game that passed the
-        start-up parse but does not load is skipped, named on stderr and counted: a bad game never ends the run."""
-        for _ in self.games:
-            game = self.games[self.game_cursor % len(self.games)]
-            self.game_cursor += 1
-            try:
-                return common.fresh_state(game, self.protocol, seed=self.game_cursor)
-            except common.BadGameError as error:
-                self.bad_games += 1
-                print(f"[games] WARNING: skipped a game that does not load: {error}", file=sys.stderr)
-        raise RuntimeError(f"none of this process's {len(self.games)} training games loads")
-
-
-def make_runtime(args: Args, accelerator) -> Runtime:
-    """Labeller (an api one checks its key and its endpoint, and gets this process's share of --labeler-concurrency),
-    this process's training games, then the model, samplers and label log."""
-    api_labeler = None
-    if needs_labels(args) and labeler_backend(args) == "api":
-        rank, processes = accelerator.process_index, accelerator.num_processes
-        if args.labeler_concurrency < processes:
-            raise ValueError(
-                f"--labeler-concurrency ({args.labeler_concurrency}) must be >= the number of processes "
-                f"({processes}): it bounds all of them together"
-            )
-        api_labeler = ApiLabeler(
-            args, args.labeler_concurrency // processes + (rank < args.labeler_concurrency % processes)
-        )
-        api_labeler.check_endpoint()
-    label_log = None
-    if args.labeler_log_dir:
-        label_log = (
-            require_writable_dir(args.labeler_log_dir, "--labeler-log-dir")
-            / f"labels_rank{accelerator.process_index}.jsonl"
-        )
-    data_root, games = training_games(args, accelerator)
-    tokenizer, model, optimizer = load_model(args, accelerator)
-    greedy_fn = make_sampler(model, tokenizer, accelerator, args, greedy=True)
-    labeler = None
-    if needs_labels(args):
-        labeler = api_labeler or (
-            oracle_labeler if labeler_backend(args) == "oracle" else PolicyLabeler(greedy_fn, tokenizer, args)
-        )
-    return Runtime(
-        args,
-        accelerator,
-        tokenizer,
-        model,
-        optimizer,
-        common.ChatProtocol(tokenizer),
-        make_sampler(model, tokenizer, accelerator, args),
-        greedy_fn,
-        labeler,
-        label_log,
-        data_root,
-        games,
-    )
-
-
-def rollout_metrics(trajectories: Sequence[common.Trajectory], groups: Sequence[Sequence[common.Trajectory]]) -> dict:
-    steps = [step for traj in trajectories for step in traj.steps]
-    outcomes = [{traj.won for traj in group} for group in groups if group]
-    return {
-        "rollout/success_rate": sum(t.won for t in trajectories) / max(1, len(trajectories)),
-        "rollout/steps": len(steps) / max(1, len(trajectories)),
-        "rollout/valid_format_rate": sum(s.valid for s in steps) / max(1, len(steps)),
-        "rollout/admissible_rate": sum(s.admissible for s in steps) / max(1, len(steps)),
-        "rollout/generated_tokens": float(sum(len(s.completion_tokens) for s in steps)),
-        "rollout/groups_all_won": float(sum(o == {True} for o in outcomes)),
-        "rollout/groups_all_lost": float(sum(o == {False} for o in outcomes)),
-        "rollout/restore_failures": float(sum(not group for group in groups)),
-    }
-
-
-def policy_logprobs(rt: Runtime, datums: Sequence[Datum]) -> list[list[float]]:
-    return sequence_logprobs(
-        rt.model,
-        rt.accelerator,
-        [d.tokens for d in datums],
-        rt.args.temperature,
-        rt.tokenizer.pad_token_id,
-        rt.args.micro_batch_tokens,
-    )
-
-
-def ppo_update(rt: Runtime, datums: list[Datum]) -> dict:
-    """--ppo-epochs passes over the datums, each split at random into --mini-batches optimizer steps. With more than
-    one step the old logprobs are the policy's own before the first (as veRL recomputes them), else the sampler's.
-    Returns train_step's metrics averaged over the steps (tokens: per pass)."""
-    args = rt.args
-    steps = args.ppo_epochs * args.mini_batches
-    if steps > 1 and datums:
-        for datum, logprobs in zip(datums, policy_logprobs(rt, datums)):
-            datum.old_logprobs = logprobs
-    loss_fn = functools.partial(
-        policy_loss,
-        clip_eps=args.clip_eps,
-        clip_eps_high=args.clip_eps_high,
-        dual_clip_c=args.dual_clip_c,
-        kl_loss_coef=args.kl_loss_coef,
-    )
-    per_step = []
-    for _ in range(args.ppo_epochs):
-        order = random.sample(range(len(datums)), len(datums)) if args.mini_batches > 1 else range(len(datums))
-        for part in range(args.mini_batches):
-            per_step.append(
-                train_step(
-                    rt.model,
-                    rt.optimizer,
-                    rt.accelerator,
-                    [datums[i] for i in list(order)[part :: args.mini_batches]],
-                    loss_fn,
-                    temperature=args.temperature,
-                    pad_id=rt.tokenizer.pad_token_id,
-                    micro_batch_tokens=args.micro_batch_tokens,
-                    max_grad_norm=args.max_grad_norm,
-                )
-            )
-    merged = {key: math.fsum(m.get(key, 0.0) for m in per_step) / steps for key in per_step[0]}
-    merged["train/tokens"] = math.fsum(m["train/tokens"] for m in per_step) / args.ppo_epochs
-    merged["train/nonfinite_skipped"] = math.fsum(m["train/nonfinite_skipped"] for m in per_step)
-    merged["train/optimizer_steps"] = float(steps)
-    return merged
-
-
-def adca_update(rt: Runtime, update: int) -> tuple[dict, list[dict]]:
-    args, t0 = rt.args, time.time()
-    # ---- step 1: rollout. G games x N full episodes; ORM score = 1 if won else 0
-    starts = [rt.fresh_state() for _ in range(args.games_per_update)]
-    groups = common.rollout(
-        starts,
-        args.trajectories_per_game,
-        rt.sample_fn,
-        rt.protocol,
-        horizon=args.max_turns,
-        max_episode_steps=args.max_turns,
-        max_turn_tokens=args.max_turn_tokens,
-        max_trajectory_tokens=args.max_trajectory_tokens,
-        on_turn=rt.on_turn,
-    )
-    trajectories = [traj for group in groups for traj in group]
-    group_ids = [traj.group for traj in trajectories]
-    orm_scores = [1.0 if traj.won else 0.0 for traj in trajectories]
-    t_rollout = time.time()
-
-    # ---- step 2: outcome advantage per group (the decouple's z-score; ~0 marks a group skip_small_adv skips)
-    outcome_advantages = group_outcome_advantages(orm_scores, group_ids)
-
-    # ---- step 3: step labels (only while attribution is on, alpha > 0 and update <= --prm-steps)
-    alpha, labelling = alpha_at(update - 1, args), labelling_at(update, args)
-    metrics = {"prm/alpha": alpha if labelling else 0.0, "prm/labelling": float(labelling)}
-    if labelling and rt.labeler is oracle_labeler:
-        step_flags, label_metrics = oracle_labeler(trajectories, outcome_advantages, orm_scores, args)
-        metrics.update(label_metrics)
-    elif labelling:
-        step_flags, label_metrics = label_trajectories(
-            trajectories,
-            outcome_advantages,
-            orm_scores,
-            rt.labeler,
-            args,
-            update,
-            rt.accelerator.process_index,
-            rt.label_log,
-        )
-        metrics.update(label_metrics)
-    else:  # uniform flags as for a skipped trajectory; plain GRPO below does not read them
-        step_flags = [[score > 0] * len(traj.steps) for traj, score in zip(trajectories, orm_scores)]
-    t_label = time.time()
-
-    # ---- step 4: step advantages -> token advantages. With labels: decouple fusion and suffix sums over steps
-    # (--prm-metrics-only: only logged); otherwise plain multi-turn GRPO
-    if labelling:
-        metrics.update(decouple_health_metrics(orm_scores, step_flags, group_ids, **decouple_settings(args, update)))
-    advantages_per_step = step_advantages(orm_scores, step_flags, group_ids, trained_decouple(args, update))
-    sequences = [traj.sequence() for traj in trajectories]
-    width = max((len(tokens) for tokens, _, _ in sequences), default=0)
-    step_ids = torch.tensor([ids + [-1] * (width - len(ids)) for _, _, ids in sequences], dtype=torch.long).view(
-        len(sequences), width
-    )
-    token_advantages = broadcast_to_tokens(advantages_per_step, step_ids).tolist()
-    datums = []
-    for (tokens, old_logprobs, ids), advantages in zip(sequences, token_advantages):
-        mask = [1.0 if k >= 0 else 0.0 for k in ids]
-        datums.append(Datum(list(tokens), list(old_logprobs), advantages[: len(tokens)], mask))
-    metrics.update(refresh_old_logprobs(rt.model, rt.accelerator, datums, args, rt.tokenizer.pad_token_id))
-    if (args.kl_beta > 0 or args.kl_loss_coef > 0) and datums:
-        policy = rt.accelerator.unwrap_model(rt.model)
-        with policy.disable_adapter():
-            reference = policy_logprobs(rt, datums)
-        log_ratios = []
-        for datum, ref in zip(datums, reference):
-            datum.ref_logprobs = ref if args.kl_loss_coef > 0 else None
-            for t, trained in enumerate(datum.mask):
-                if trained:
-                    log_ratios.append(datum.old_logprobs[t] - ref[t])
-                    # the KL as per-token shaping of the advantage: E[grad log p * (log p - log p_ref)] is its gradient
-                    datum.advantages[t] -= args.kl_beta * log_ratios[-1]
-        metrics["train/kl"] = math.fsum(log_ratios) / max(1, len(log_ratios))
-
-    # ---- step 5: PPO-clip, --ppo-epochs passes of --mini-batches optimizer steps each
-    metrics.update(ppo_update(rt, datums))
-    t_update = time.time()
-
-    metrics.update(rollout_metrics(trajectories, groups))
-    generated = [a for advantages in advantages_per_step for a in advantages]
-    metrics["train/step_advantage_abs_mean"] = math.fsum(abs(a) for a in generated) / max(1, len(generated))
-    metrics.update(
-        {"time/rollout": t_rollout - t0, "time/label": t_label - t_rollout, "time/update": t_update - t_label}
-    )
-    samples = [
-        {
-            "game": traj.start.game_file,
-            "task": traj.start.task,
-            "won": traj.won,
-            "stop_reason": traj.stop_reason,
-            "outcome_advantage": outcome_advantages[i],
-            "step_flags": step_flags[i],
-            "step_advantages": advantages_per_step[i],  # as trained
-            "messages": traj.messages[len(traj.start.messages) :],
-        }
-        for i, traj in enumerate(trajectories[:2])
-    ]
-    return metrics, samples
-
-
-# =============================================================================================
-# Main: set-up, resume, updates, checkpoints, evaluation
-# =============================================================================================
-SUM_KEYS = (
-    "rollout/bad_games_skipped",
-    "prm/label_requests",
-    "prm/label_failures",
-    "prm/parse_failures",
-    "prm/skipped",
-    "rollout/generated_tokens",
-    "rollout/groups_all_won",
-    "rollout/groups_all_lost",
-    "rollout/restore_failures",
-)
-# Flags that only extend a run, or change how the labeller is reached rather than who labels.
-RESUME_MAY_CHANGE = (
-    "num_updates",
-    "labeler_base_url",
-    "labeler_api_key_env",
-    "labeler_concurrency",
-    "labeler_timeout_s",
-    "labeler_deadline_s",
-    "labeler_max_attempts",
-    "labeler_circuit_failures",
-    "labeler_rate_limit_backoff_s",
-    "labeler_rate_limit_backoff_cap_s",
-    "labeler_error_backoff_s",
-    "labeler_error_backoff_cap_s",
-    "labeler_log_dir",
-)
-POSTFIX_KEYS = ("rollout/success_rate", "prm/good_rate", "prm/label_failures", "train/loss")
-
-
-def main(args: Args) -> Path:
-    """Train (or evaluate, with --eval-only); returns the run directory."""
-    accelerator = make_accelerator()
-    try:
-        args, checkpoint, trainer_state = start(args, ALGORITHM, accelerator, validate_args, RESUME_MAY_CHANGE)
-        return _run(args, accelerator, checkpoint, trainer_state)
-    finally:
-        close_distributed()
-
-
-def _run(args: Args, accelerator, checkpoint: Path | None, trainer_state: dict | None) -> Path:
-    seed_everything(args.seed + accelerator.process_index)
-    with starting():  # labeller and sampler endpoint checks
-        rt = make_runtime(args, accelerator)
-    eval_kwargs = dict(
-        data_root=rt.data_root,
-        task_types=args.task_types,
-        eval_games=args.eval_games,
-        max_episode_steps=args.max_turns,
-        max_turn_tokens=args.max_turn_tokens,
-        max_trajectory_tokens=args.max_trajectory_tokens,
-    )
-    if args.eval_only:
-        return evaluate_checkpoint(
-            args, checkpoint, trainer_state, rt.model, rt.greedy_fn, rt.protocol, accelerator, eval_kwargs
-        )
-
-    done = trainer_state["update"] if checkpoint is not None else 0
-    run_dir = checkpoint.parent.parent if checkpoint is not None else new_run_dir(args)
-    logger = RunLogger(args, run_dir, accelerator, args.num_updates, done, POSTFIX_KEYS)
-    rt.on_turn = logger.on_turn
-    if checkpoint is not None:
-        rt.game_cursor = trainer_state["rank_states"][accelerator.process_index]["game_cursor"]
-        if rt.label_log is not None:
-            drop_rows_after(rt.label_log, done)
-        load_checkpoint(
-            checkpoint, rt.model, rt.optimizer, accelerator
-        )  # last: the RNG states as they were at the save
-        if accelerator.is_main_process:
-            print(f"resumed {checkpoint} (update {done} of {args.num_updates})", file=sys.stderr)
-
-    labeler_name = labeler_backend(args) if rt.labeler is not None else "none"
-    for update in range(done + 1, args.num_updates + 1):
-        metrics, samples = adca_update(rt, update)
-        metrics["rollout/bad_games_skipped"], rt.bad_games = float(rt.bad_games), 0
-        metrics = reduce_metrics(accelerator, metrics, SUM_KEYS)
-        last = update == args.num_updates
-        if args.eval_every and args.eval_games and (last or update % args.eval_every == 0):
-            metrics.update(evaluate(rt.greedy_fn, rt.protocol, accelerator, **eval_kwargs, on_turn=logger.on_turn))
-        logger.log(update, {"labeler": labeler_name, **metrics}, samples)
-        if last or (args.save_every and update % args.save_every == 0):
-            save_checkpoint(
-                run_dir,
-                update,
-                rt.model,
-                rt.optimizer,
-                accelerator,
-                ALGORITHM,
-                {"labeler": labeler_name},
-                {"game_cursor": rt.game_cursor},
-            )
-    logger.close()
-    return run_dir
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """Shared environment and replay side of the algorithms (everything that is not the model).
 
-Sections: games (discovery, walkthroughs, the offline generator), safe grammar evaluation,
+Sections, in the order a reader needs them: games (discovery, walkthroughs), safe grammar evaluation,
 fast ALFWorld environments with snapshot and replay restore, the chat protocol, the batched
-multi-turn rollout driver, and the tiny offline model used by tests and smoke runs.
+multi-turn rollout driver; then support, not the seam: the offline game generator and the tiny
+offline model used by tests and smoke runs.
 """
 
 from __future__ import annotations
@@ -172,355 +173,6 @@ def load_task_type(game_file: str | Path) -> str:
     if not isinstance(task_type, str):
         raise BadGameError(f"{traj_file}: no task_type")
     return task_type
-
-
-# =============================================================================================
-# Offline games: ALFWorld-format games generated from what the `alfworld` package ships
-# =============================================================================================
-ALFWORLD_DIR = os.path.dirname(alfworld.__file__)
-LAYOUTS_DIR = os.path.join(ALFWORLD_DIR, "gen", "layouts")
-UNSEEN_SCENES = (10, 219, 308, 424)  # ALFRED's valid_unseen floor plans: never used for train/valid_seen
-ROOM_OF_SCENE = {n: room for room, nums in alfred_constants.SCENE_TYPE.items() for n in nums}
-STATIC_RECEPS = set(alfred_constants.VAL_RECEPTACLE_OBJECTS) - alfred_constants.MOVABLE_RECEPTACLES_SET
-PICKUPABLE = {o for objs in alfred_constants.VAL_RECEPTACLE_OBJECTS.values() for o in objs if "Sliced" not in o}
-LAMPS = ("DeskLamp", "FloorLamp")
-LAMP_HOSTS = ("Desk", "SideTable", "Dresser", "Shelf", "CoffeeTable", "DiningTable", "TVStand")
-TOOL_RECEP = {
-    "pick_clean_then_place_in_recep": "SinkBasin",
-    "pick_heat_then_place_in_recep": "Microwave",
-    "pick_cool_then_place_in_recep": "Fridge",
-}
-TASK_PROP = {
-    "pick_clean_then_place_in_recep": "Cleanable",
-    "pick_heat_then_place_in_recep": "Heatable",
-    "pick_cool_then_place_in_recep": "Coolable",
-}
-# Receptacle types the domain's actions name: they must always be declared.
-ALWAYS_RTYPES = ("SinkBasin", "Microwave", "Fridge")
-ALWAYS_OTYPES = ("Knife", "ButterKnife")
-# Scenes list these receptacles but the layouts have no pose for them: add them at a reachable point.
-SYNTH_RECEPS = {"StoveBurner": 4}
-PDDL_CHARS = {"-": "_minus_", "|": "_bar_", "+": "_plus_", ".": "_dot_", ",": "_comma_"}
-
-
-def _mangle(name):
-    return "".join(PDDL_CHARS.get(c, c) for c in name)
-
-
-def _loc(x, z, rot, horizon):
-    return "loc|%d|%d|%d|%d" % (
-        round(x / alfred_constants.AGENT_STEP_SIZE),
-        round(z / alfred_constants.AGENT_STEP_SIZE),
-        rot // 90,
-        horizon,
-    )
-
-
-def _recep_type(rid):
-    parts = rid.split("|")
-    return parts[4] if len(parts) == 5 else parts[0]  # "Sink|x|y|z|SinkBasin" is a SinkBasin
-
-
-@functools.lru_cache(maxsize=None)
-def load_scene(num):
-    """Receptacles [(id, type, loc)], pickupable classes, lamps and reachable floor points of FloorPlan<num>."""
-    path = os.path.join(LAYOUTS_DIR, "FloorPlan%d-%s")
-    with open(path % (num, "objects.json")) as f:
-        classes = set(json.load(f))
-    with open(path % (num, "openable.json")) as f:
-        poses = json.load(f)
-    points = [tuple(p) for p in np.load(path % (num, "layout.npy")).tolist()]
-    receps = [(rid, _recep_type(rid), _loc(*poses[rid])) for rid in sorted(poses) if _recep_type(rid) in STATIC_RECEPS]
-    rng = random.Random(num)  # synthetic receptacles are a fixed part of the scene
-    for rtype in sorted(classes & STATIC_RECEPS - {t for _, t, _ in receps}):
-        for x, z in rng.sample(points, SYNTH_RECEPS.get(rtype, 1)):
-            rid = "%s|%+06.2f|%+06.2f|%+06.2f" % (rtype, x, 0.9, z)
-            receps.append((rid, rtype, _loc(x, z, 90 * rng.randrange(4), 30)))
-    return sorted(receps), sorted(classes & PICKUPABLE), sorted(classes & set(LAMPS)), points
-
-
-def _holds(rtype, otype):
-    return otype in alfred_constants.VAL_RECEPTACLE_OBJECTS.get(rtype, ())
-
-
-def sample_task(rng, task_type, scene_num):
-    """Pick (object, parent receptacle, lamp) for a task in a scene, or None when the scene can't host it."""
-    receps, objs, lamps, _ = load_scene(scene_num)
-    rtypes = sorted({t for _, t, _ in receps})
-    if task_type in TOOL_RECEP:
-        if TOOL_RECEP[task_type] not in rtypes:
-            return None
-        objs = [o for o in objs if o in alfred_constants.VAL_ACTION_OBJECTS[TASK_PROP[task_type]]]
-    if task_type == "look_at_obj_in_light":
-        objs = [o for o in objs if any(_holds(t, o) for t in rtypes)]
-        if not (objs and lamps and set(rtypes) & set(LAMP_HOSTS)):
-            return None
-        return rng.choice(objs), None, rng.choice(lamps)
-    # The object must start somewhere other than a receptacle of the goal's type.
-    combos = [
-        (o, r)
-        for o in objs
-        for r in rtypes
-        if _holds(r, o) and r != TOOL_RECEP.get(task_type) and any(_holds(t, o) for t in rtypes if t != r)
-    ]
-    return (*rng.choice(combos), None) if combos else None
-
-
-def _obj_id(rng, cls, rid, taken):
-    _, x, y, z = rid.split("|")[:4]
-    while True:
-        oid = "%s|%+06.2f|%+06.2f|%+06.2f" % (
-            cls,
-            float(x) + rng.uniform(-0.3, 0.3),
-            float(y) + rng.uniform(0, 0.2),
-            float(z) + rng.uniform(-0.3, 0.3),
-        )
-        if oid not in taken:
-            taken.add(oid)
-            return oid
-
-
-def build_problem(rng, task_type, scene_num, obj, parent, toggle, max_receptacles, name):
-    """ALFWorld-style PDDL problem with receptacles capped at max_receptacles. Also returns the same problem
-    without distractor objects: its optimal plan is valid in the full game (same ids, so the same names)
-    and far cheaper to search."""
-    receps, objs, lamps, points = load_scene(scene_num)
-    shuffled = rng.sample(receps, len(receps))
-    needed = [t for t in (parent, TOOL_RECEP.get(task_type)) if t]
-    if toggle:
-        needed.append(next(t for _, t, _ in shuffled if t in LAMP_HOSTS))
-    keep = [next(r for r in shuffled if r[1] == t) for t in dict.fromkeys(needed)]
-    keep.append(next(r for r in shuffled if _holds(r[1], obj) and r[1] != parent))  # a start for the object
-    keep = list(dict.fromkeys(keep))
-    keep = sorted(keep + [r for r in shuffled if r not in keep][: max(0, max_receptacles - len(keep))])
-
-    # Place objects: targets never start in a goal-type receptacle; distractors anywhere they fit.
-    taken, placed = set(), []  # placed: (object id, class, receptacle id)
-    n_target = rng.randint(2, 3) if task_type == "pick_two_obj_and_place" else rng.randint(1, 2)
-    others = [o for o in objs if o != obj]
-    classes = [obj] * n_target + [
-        o for o in rng.sample(others, min(len(others), len(keep))) for _ in range(rng.randint(1, 2))
-    ]
-    for cls in classes + lamps:
-        hosts = [
-            r
-            for r, t, _ in keep
-            if (t in LAMP_HOSTS if cls in LAMPS else _holds(t, cls)) and not (cls == obj and t == parent)
-        ]
-        if hosts:
-            rid = rng.choice(hosts)
-            placed.append((_obj_id(rng, cls, rid, taken), cls, rid))
-    start = None
-    while start is None or start in {l for _, _, l in keep}:  # start where no receptacle is: "middle of a room"
-        start = _loc(*rng.choice(points), 90 * rng.randrange(4), 30)
-    goal = goal_library.gdict[task_type]["pddl"].format(obj=obj, recep=parent, toggle=toggle).replace("#", "-")
-    return (
-        _problem_text(name, keep, sorted(placed), start, goal),
-        _problem_text(name, keep, sorted(p for p in placed if p[1] in (obj, toggle)), start, goal),
-    )
-
-
-def _problem_text(name, keep, placed, start, goal):
-    m = _mangle  # PDDL-safe ids, as in ALFWorld's files
-    loc_of = {rid: loc for rid, _, loc in keep}
-    otypes = sorted({c for _, c, _ in placed} | set(ALWAYS_OTYPES))
-    rtypes = sorted({t for _, t, _ in keep} | set(ALWAYS_RTYPES))
-    objects = (
-        ["agent1 - agent"]
-        + ["%s - object" % m(o) for o, _, _ in placed]
-        + ["%s - receptacle" % m(r) for r, _, _ in keep]
-        + ["%s - location" % m(l) for l in sorted(set(loc_of.values()) | {start})]
-        + ["%sType - otype" % t for t in otypes]
-        + ["%sType - rtype" % t for t in rtypes]
-    )
-    init = ["(atLocation agent1 %s)" % m(start)]
-    for rid, rtype, loc in keep:
-        init += ["(receptacleType %s %sType)" % (m(rid), rtype), "(receptacleAtLocation %s %s)" % (m(rid), m(loc))]
-        if rtype in alfred_constants.OPENABLE_CLASS_SET:
-            init.append("(openable %s)" % m(rid))
-    for oid, cls, rid in placed:
-        init += [
-            "(objectType %s %sType)" % (m(oid), cls),
-            "(inReceptacle %s %s)" % (m(oid), m(rid)),
-            "(objectAtLocation %s %s)" % (m(oid), m(loc_of[rid])),
-            "(%s %s)" % ("toggleable" if cls in LAMPS else "pickupable", m(oid)),
-        ]
-        init += [
-            "(%s %s)" % (prop.lower(), m(oid))
-            for prop in ("Cleanable", "Heatable", "Coolable", "Sliceable")
-            if cls in alfred_constants.VAL_ACTION_OBJECTS[prop]
-        ]
-        if cls in alfred_constants.MOVABLE_RECEPTACLES_SET:
-            init.append("(isReceptacleObject %s)" % m(oid))
-    init += ["(canContain %sType %sType)" % (r, o) for r in rtypes for o in otypes if _holds(r, o)]
-    return "(define (problem plan_%s)\n(:domain alfred)\n(:objects\n%s\n)\n(:init\n%s\n)\n%s" % (
-        name,
-        "\n".join(objects),
-        "\n".join(init),
-        goal.strip(),
-    )
-
-
-def plan_walkthrough(planner, game):
-    """Fast Downward's optimal plan as ALFWorld commands; [] when the goal is unreachable.
-    planner: AlfredDemangler(PddlEnv(textworld.EnvInfos(policy_commands=True))), reused across games."""
-    argv = sys.argv  # fast_downward's translator overwrites sys.argv
-    try:
-        planner.load(game)
-        return planner.reset()["policy_commands"]
-    except KeyError:  # the translator's KeyError('val1'): goal unreachable even when relaxed
-        return []
-    finally:
-        sys.argv = argv
-
-
-def stock_alfworld_env(game_files: Sequence[str], max_episode_steps: int = 1000):
-    """Stock TextWorld with ALFWorld's wrappers, as ALFWorld trains on it (batch of 1): the reference engine
-    for generation and for tests and benchmarks. It eval()s grammar code: only for trusted games."""
-    infos = textworld.EnvInfos(won=True, admissible_commands=True, extras=["gamefile"])
-    env_id = textworld.gym.register_games(
-        list(game_files),
-        infos,
-        batch_size=1,
-        asynchronous=False,
-        max_episode_steps=max_episode_steps,
-        wrappers=[AlfredDemangler, AlfredInfos],
-    )
-    return textworld.gym.make(env_id)
-
-
-def replay_games(game_files, max_steps=200) -> dict[str, bool]:
-    """Play each game's stored walkthrough in the stock engine; returns {game_file: won}.
-    One env for all: each env loads its own copy of libdownward.so."""
-    argv, env, results = sys.argv, stock_alfworld_env(game_files, max_steps), {}
-    try:
-        for _ in game_files:  # the env's first cycle visits each game once, in a shuffled order
-            _, info = env.reset()
-            game_file, won = info["extra.gamefile"][0], False
-            for command in load_walkthrough(game_file):
-                _, _, _, info = env.step([command])
-                won = info["won"][0]
-            results[game_file] = bool(won)
-    finally:
-        env.close()
-        sys.argv = argv  # the translator overwrites it
-    return results
-
-
-def _write_json(path, data):
-    with open(path, "w") as f:
-        json.dump(data, f)
-
-
-def make_games(out_dir, n: int, seed: int = 0, max_receptacles: int = 15, log=print) -> list[str]:
-    """Write n solvable games (round-robin over TASK_TYPES; ~80/10/10 train/valid_seen/valid_unseen) in
-    ALFWorld's download layout under out_dir/json_2.1.1; returns the game files written."""
-    rng = random.Random(seed)
-    with open(os.path.join(ALFWORLD_DIR, "data", "alfred.pddl")) as f:
-        domain = f.read()
-    with open(os.path.join(ALFWORLD_DIR, "data", "alfred.twl2")) as f:
-        grammar = f.read()
-    scenes = sorted(int(f[9:-13]) for f in os.listdir(LAYOUTS_DIR) if f.endswith("-objects.json"))
-    planner = AlfredDemangler(PddlEnv(textworld.EnvInfos(policy_commands=True)))
-
-    n_valid = round(n / 10)  # per valid split; the last games, so each split cycles through all task types
-
-    def new_game(i):  # sample until the planner solves one; write it; return its game file
-        task_type = TASK_TYPES[i % len(TASK_TYPES)]
-        split = "train" if i < n - 2 * n_valid else "valid_seen" if i < n - n_valid else "valid_unseen"
-        pool = [
-            s
-            for s in scenes
-            if (s in UNSEEN_SCENES) == (split == "valid_unseen")
-            and ROOM_OF_SCENE[s] in alfred_constants.GOALS_VALID[task_type]
-        ]
-        t0 = time.time()
-        for attempt in range(100):
-            scene = rng.choice(pool)
-            task = sample_task(rng, task_type, scene)
-            if task is None:
-                continue
-            obj, parent, toggle = task
-            trial = "trial_T%d_%05d_%02d" % (seed, i, attempt)
-            task_desc = rng.choice(goal_library.gdict[task_type]["templates"]).format(
-                obj=obj.lower(), recep=(parent or "").lower(), toggle=(toggle or "").lower()
-            )
-            problem, planning_problem = build_problem(
-                rng, task_type, scene, obj, parent, toggle, max_receptacles, trial
-            )
-            game = {
-                "pddl_domain": domain,
-                "grammar": grammar.replace("UNKNOWN GOAL", task_desc),
-                "pddl_problem": planning_problem,
-            }
-            walkthrough = plan_walkthrough(planner, game)
-            if not walkthrough:
-                log("  unsolvable: %s in FloorPlan%d" % (task, scene))
-                continue
-            game_dir = os.path.join(
-                out_dir, "json_2.1.1", split, "%s-%s-None-%s-%d" % (task_type, obj, parent or toggle, scene), trial
-            )
-            os.makedirs(game_dir, exist_ok=True)
-            game.update(pddl_problem=problem, solvable=True, walkthrough=walkthrough)
-            _write_json(os.path.join(game_dir, "game.tw-pddl"), game)
-            _write_json(
-                os.path.join(game_dir, "traj_data.json"),
-                {
-                    "task_id": trial,
-                    "task_type": task_type,
-                    "split": split,
-                    "pddl_params": {
-                        "object_target": obj,
-                        "parent_target": parent or "",
-                        "toggle_target": toggle or "",
-                        "mrecep_target": "",
-                        "object_sliced": False,
-                    },
-                    "scene": {"floor_plan": "FloorPlan%d" % scene, "scene_num": scene},
-                    "turk_annotations": {"anns": [{"task_desc": task_desc}]},
-                },
-            )  # templated, not human-written
-            log("game %d/%d: %s (%d steps, %.2fs)" % (i + 1, n, game_dir, len(walkthrough), time.time() - t0))
-            return os.path.join(game_dir, "game.tw-pddl")
-        raise RuntimeError("could not generate a %s game" % task_type)
-
-    files = [None] * n
-    for _ in range(10):  # generate, then replay every new game to won in the real engine
-        todo = [i for i in range(n) if files[i] is None]
-        if not todo:
-            return files
-        for i in todo:
-            files[i] = new_game(i)
-        t0 = time.time()
-        results = replay_games([files[i] for i in todo])
-        log("replayed %d games in %.1fs" % (len(todo), time.time() - t0))
-        for i in todo:
-            if not results[files[i]]:
-                log("  discarded, walkthrough did not win: " + files[i])
-                shutil.rmtree(os.path.dirname(files[i]))
-                files[i] = None
-    raise RuntimeError("games keep failing their replay")
-
-
-DEFAULT_GAMES, DEFAULT_GAMES_SEED = 240, 0
-
-
-def default_data_root(
-    n: int = DEFAULT_GAMES, seed: int = DEFAULT_GAMES_SEED, cache_dir: str | Path | None = None
-) -> Path:
-    """The generated offline game set: made once into the cache (a few minutes, with a progress bar), reused after."""
-    from tqdm import tqdm
-
-    root = Path(cache_dir or DEFAULT_CACHE_DIR) / f"offline-games-n{n}-seed{seed}"
-    if not (root / "json_2.1.1").is_dir():
-        tmp = root.with_name(f"{root.name}.tmp{os.getpid()}")
-        with tqdm(total=n, desc=f"generating offline games into {root} (once)", unit="game", file=sys.stderr) as bar:
-            make_games(tmp, n, seed, log=lambda line: bar.update(line.startswith("game ")))
-        try:
-            os.replace(tmp, root)  # atomic; a concurrent generator wrote the same bytes
-        except OSError:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return root
 
 
 # =============================================================================================
@@ -1389,6 +1041,355 @@ def _check_stop(
         traj.stop_reason = STOP_HORIZON
     elif len(traj.tokens) + max_turn_tokens > max_trajectory_tokens:
         traj.stop_reason = STOP_TOKEN_BUDGET
+
+
+# =============================================================================================
+# Offline games: ALFWorld-format games generated from what the `alfworld` package ships
+# =============================================================================================
+ALFWORLD_DIR = os.path.dirname(alfworld.__file__)
+LAYOUTS_DIR = os.path.join(ALFWORLD_DIR, "gen", "layouts")
+UNSEEN_SCENES = (10, 219, 308, 424)  # ALFRED's valid_unseen floor plans: never used for train/valid_seen
+ROOM_OF_SCENE = {n: room for room, nums in alfred_constants.SCENE_TYPE.items() for n in nums}
+STATIC_RECEPS = set(alfred_constants.VAL_RECEPTACLE_OBJECTS) - alfred_constants.MOVABLE_RECEPTACLES_SET
+PICKUPABLE = {o for objs in alfred_constants.VAL_RECEPTACLE_OBJECTS.values() for o in objs if "Sliced" not in o}
+LAMPS = ("DeskLamp", "FloorLamp")
+LAMP_HOSTS = ("Desk", "SideTable", "Dresser", "Shelf", "CoffeeTable", "DiningTable", "TVStand")
+TOOL_RECEP = {
+    "pick_clean_then_place_in_recep": "SinkBasin",
+    "pick_heat_then_place_in_recep": "Microwave",
+    "pick_cool_then_place_in_recep": "Fridge",
+}
+TASK_PROP = {
+    "pick_clean_then_place_in_recep": "Cleanable",
+    "pick_heat_then_place_in_recep": "Heatable",
+    "pick_cool_then_place_in_recep": "Coolable",
+}
+# Receptacle types the domain's actions name: they must always be declared.
+ALWAYS_RTYPES = ("SinkBasin", "Microwave", "Fridge")
+ALWAYS_OTYPES = ("Knife", "ButterKnife")
+# Scenes list these receptacles but the layouts have no pose for them: add them at a reachable point.
+SYNTH_RECEPS = {"StoveBurner": 4}
+PDDL_CHARS = {"-": "_minus_", "|": "_bar_", "+": "_plus_", ".": "_dot_", ",": "_comma_"}
+
+
+def _mangle(name):
+    return "".join(PDDL_CHARS.get(c, c) for c in name)
+
+
+def _loc(x, z, rot, horizon):
+    return "loc|%d|%d|%d|%d" % (
+        round(x / alfred_constants.AGENT_STEP_SIZE),
+        round(z / alfred_constants.AGENT_STEP_SIZE),
+        rot // 90,
+        horizon,
+    )
+
+
+def _recep_type(rid):
+    parts = rid.split("|")
+    return parts[4] if len(parts) == 5 else parts[0]  # "Sink|x|y|z|SinkBasin" is a SinkBasin
+
+
+@functools.lru_cache(maxsize=None)
+def load_scene(num):
+    """Receptacles [(id, type, loc)], pickupable classes, lamps and reachable floor points of FloorPlan<num>."""
+    path = os.path.join(LAYOUTS_DIR, "FloorPlan%d-%s")
+    with open(path % (num, "objects.json")) as f:
+        classes = set(json.load(f))
+    with open(path % (num, "openable.json")) as f:
+        poses = json.load(f)
+    points = [tuple(p) for p in np.load(path % (num, "layout.npy")).tolist()]
+    receps = [(rid, _recep_type(rid), _loc(*poses[rid])) for rid in sorted(poses) if _recep_type(rid) in STATIC_RECEPS]
+    rng = random.Random(num)  # synthetic receptacles are a fixed part of the scene
+    for rtype in sorted(classes & STATIC_RECEPS - {t for _, t, _ in receps}):
+        for x, z in rng.sample(points, SYNTH_RECEPS.get(rtype, 1)):
+            rid = "%s|%+06.2f|%+06.2f|%+06.2f" % (rtype, x, 0.9, z)
+            receps.append((rid, rtype, _loc(x, z, 90 * rng.randrange(4), 30)))
+    return sorted(receps), sorted(classes & PICKUPABLE), sorted(classes & set(LAMPS)), points
+
+
+def _holds(rtype, otype):
+    return otype in alfred_constants.VAL_RECEPTACLE_OBJECTS.get(rtype, ())
+
+
+def sample_task(rng, task_type, scene_num):
+    """Pick (object, parent receptacle, lamp) for a task in a scene, or None when the scene can't host it."""
+    receps, objs, lamps, _ = load_scene(scene_num)
+    rtypes = sorted({t for _, t, _ in receps})
+    if task_type in TOOL_RECEP:
+        if TOOL_RECEP[task_type] not in rtypes:
+            return None
+        objs = [o for o in objs if o in alfred_constants.VAL_ACTION_OBJECTS[TASK_PROP[task_type]]]
+    if task_type == "look_at_obj_in_light":
+        objs = [o for o in objs if any(_holds(t, o) for t in rtypes)]
+        if not (objs and lamps and set(rtypes) & set(LAMP_HOSTS)):
+            return None
+        return rng.choice(objs), None, rng.choice(lamps)
+    # The object must start somewhere other than a receptacle of the goal's type.
+    combos = [
+        (o, r)
+        for o in objs
+        for r in rtypes
+        if _holds(r, o) and r != TOOL_RECEP.get(task_type) and any(_holds(t, o) for t in rtypes if t != r)
+    ]
+    return (*rng.choice(combos), None) if combos else None
+
+
+def _obj_id(rng, cls, rid, taken):
+    _, x, y, z = rid.split("|")[:4]
+    while True:
+        oid = "%s|%+06.2f|%+06.2f|%+06.2f" % (
+            cls,
+            float(x) + rng.uniform(-0.3, 0.3),
+            float(y) + rng.uniform(0, 0.2),
+            float(z) + rng.uniform(-0.3, 0.3),
+        )
+        if oid not in taken:
+            taken.add(oid)
+            return oid
+
+
+def build_problem(rng, task_type, scene_num, obj, parent, toggle, max_receptacles, name):
+    """ALFWorld-style PDDL problem with receptacles capped at max_receptacles. Also returns the same problem
+    without distractor objects: its optimal plan is valid in the full game (same ids, so the same names)
+    and far cheaper to search."""
+    receps, objs, lamps, points = load_scene(scene_num)
+    shuffled = rng.sample(receps, len(receps))
+    needed = [t for t in (parent, TOOL_RECEP.get(task_type)) if t]
+    if toggle:
+        needed.append(next(t for _, t, _ in shuffled if t in LAMP_HOSTS))
+    keep = [next(r for r in shuffled if r[1] == t) for t in dict.fromkeys(needed)]
+    keep.append(next(r for r in shuffled if _holds(r[1], obj) and r[1] != parent))  # a start for the object
+    keep = list(dict.fromkeys(keep))
+    keep = sorted(keep + [r for r in shuffled if r not in keep][: max(0, max_receptacles - len(keep))])
+
+    # Place objects: targets never start in a goal-type receptacle; distractors anywhere they fit.
+    taken, placed = set(), []  # placed: (object id, class, receptacle id)
+    n_target = rng.randint(2, 3) if task_type == "pick_two_obj_and_place" else rng.randint(1, 2)
+    others = [o for o in objs if o != obj]
+    classes = [obj] * n_target + [
+        o for o in rng.sample(others, min(len(others), len(keep))) for _ in range(rng.randint(1, 2))
+    ]
+    for cls in classes + lamps:
+        hosts = [
+            r
+            for r, t, _ in keep
+            if (t in LAMP_HOSTS if cls in LAMPS else _holds(t, cls)) and not (cls == obj and t == parent)
+        ]
+        if hosts:
+            rid = rng.choice(hosts)
+            placed.append((_obj_id(rng, cls, rid, taken), cls, rid))
+    start = None
+    while start is None or start in {l for _, _, l in keep}:  # start where no receptacle is: "middle of a room"
+        start = _loc(*rng.choice(points), 90 * rng.randrange(4), 30)
+    goal = goal_library.gdict[task_type]["pddl"].format(obj=obj, recep=parent, toggle=toggle).replace("#", "-")
+    return (
+        _problem_text(name, keep, sorted(placed), start, goal),
+        _problem_text(name, keep, sorted(p for p in placed if p[1] in (obj, toggle)), start, goal),
+    )
+
+
+def _problem_text(name, keep, placed, start, goal):
+    m = _mangle  # PDDL-safe ids, as in ALFWorld's files
+    loc_of = {rid: loc for rid, _, loc in keep}
+    otypes = sorted({c for _, c, _ in placed} | set(ALWAYS_OTYPES))
+    rtypes = sorted({t for _, t, _ in keep} | set(ALWAYS_RTYPES))
+    objects = (
+        ["agent1 - agent"]
+        + ["%s - object" % m(o) for o, _, _ in placed]
+        + ["%s - receptacle" % m(r) for r, _, _ in keep]
+        + ["%s - location" % m(l) for l in sorted(set(loc_of.values()) | {start})]
+        + ["%sType - otype" % t for t in otypes]
+        + ["%sType - rtype" % t for t in rtypes]
+    )
+    init = ["(atLocation agent1 %s)" % m(start)]
+    for rid, rtype, loc in keep:
+        init += ["(receptacleType %s %sType)" % (m(rid), rtype), "(receptacleAtLocation %s %s)" % (m(rid), m(loc))]
+        if rtype in alfred_constants.OPENABLE_CLASS_SET:
+            init.append("(openable %s)" % m(rid))
+    for oid, cls, rid in placed:
+        init += [
+            "(objectType %s %sType)" % (m(oid), cls),
+            "(inReceptacle %s %s)" % (m(oid), m(rid)),
+            "(objectAtLocation %s %s)" % (m(oid), m(loc_of[rid])),
+            "(%s %s)" % ("toggleable" if cls in LAMPS else "pickupable", m(oid)),
+        ]
+        init += [
+            "(%s %s)" % (prop.lower(), m(oid))
+            for prop in ("Cleanable", "Heatable", "Coolable", "Sliceable")
+            if cls in alfred_constants.VAL_ACTION_OBJECTS[prop]
+        ]
+        if cls in alfred_constants.MOVABLE_RECEPTACLES_SET:
+            init.append("(isReceptacleObject %s)" % m(oid))
+    init += ["(canContain %sType %sType)" % (r, o) for r in rtypes for o in otypes if _holds(r, o)]
+    return "(define (problem plan_%s)\n(:domain alfred)\n(:objects\n%s\n)\n(:init\n%s\n)\n%s" % (
+        name,
+        "\n".join(objects),
+        "\n".join(init),
+        goal.strip(),
+    )
+
+
+def plan_walkthrough(planner, game):
+    """Fast Downward's optimal plan as ALFWorld commands; [] when the goal is unreachable.
+    planner: AlfredDemangler(PddlEnv(textworld.EnvInfos(policy_commands=True))), reused across games."""
+    argv = sys.argv  # fast_downward's translator overwrites sys.argv
+    try:
+        planner.load(game)
+        return planner.reset()["policy_commands"]
+    except KeyError:  # the translator's KeyError('val1'): goal unreachable even when relaxed
+        return []
+    finally:
+        sys.argv = argv
+
+
+def stock_alfworld_env(game_files: Sequence[str], max_episode_steps: int = 1000):
+    """Stock TextWorld with ALFWorld's wrappers, as ALFWorld trains on it (batch of 1): the reference engine
+    for generation and for tests and benchmarks. It eval()s grammar code: only for trusted games."""
+    infos = textworld.EnvInfos(won=True, admissible_commands=True, extras=["gamefile"])
+    env_id = textworld.gym.register_games(
+        list(game_files),
+        infos,
+        batch_size=1,
+        asynchronous=False,
+        max_episode_steps=max_episode_steps,
+        wrappers=[AlfredDemangler, AlfredInfos],
+    )
+    return textworld.gym.make(env_id)
+
+
+def replay_games(game_files, max_steps=200) -> dict[str, bool]:
+    """Play each game's stored walkthrough in the stock engine; returns {game_file: won}.
+    One env for all: each env loads its own copy of libdownward.so."""
+    argv, env, results = sys.argv, stock_alfworld_env(game_files, max_steps), {}
+    try:
+        for _ in game_files:  # the env's first cycle visits each game once, in a shuffled order
+            _, info = env.reset()
+            game_file, won = info["extra.gamefile"][0], False
+            for command in load_walkthrough(game_file):
+                _, _, _, info = env.step([command])
+                won = info["won"][0]
+            results[game_file] = bool(won)
+    finally:
+        env.close()
+        sys.argv = argv  # the translator overwrites it
+    return results
+
+
+def _write_json(path, data):
+    with open(path, "w") as f:
+        json.dump(data, f)
+
+
+def make_games(out_dir, n: int, seed: int = 0, max_receptacles: int = 15, log=print) -> list[str]:
+    """Write n solvable games (round-robin over TASK_TYPES; ~80/10/10 train/valid_seen/valid_unseen) in
+    ALFWorld's download layout under out_dir/json_2.1.1; returns the game files written."""
+    rng = random.Random(seed)
+    with open(os.path.join(ALFWORLD_DIR, "data", "alfred.pddl")) as f:
+        domain = f.read()
+    with open(os.path.join(ALFWORLD_DIR, "data", "alfred.twl2")) as f:
+        grammar = f.read()
+    scenes = sorted(int(f[9:-13]) for f in os.listdir(LAYOUTS_DIR) if f.endswith("-objects.json"))
+    planner = AlfredDemangler(PddlEnv(textworld.EnvInfos(policy_commands=True)))
+
+    n_valid = round(n / 10)  # per valid split; the last games, so each split cycles through all task types
+
+    def new_game(i):  # sample until the planner solves one; write it; return its game file
+        task_type = TASK_TYPES[i % len(TASK_TYPES)]
+        split = "train" if i < n - 2 * n_valid else "valid_seen" if i < n - n_valid else "valid_unseen"
+        pool = [
+            s
+            for s in scenes
+            if (s in UNSEEN_SCENES) == (split == "valid_unseen")
+            and ROOM_OF_SCENE[s] in alfred_constants.GOALS_VALID[task_type]
+        ]
+        t0 = time.time()
+        for attempt in range(100):
+            scene = rng.choice(pool)
+            task = sample_task(rng, task_type, scene)
+            if task is None:
+                continue
+            obj, parent, toggle = task
+            trial = "trial_T%d_%05d_%02d" % (seed, i, attempt)
+            task_desc = rng.choice(goal_library.gdict[task_type]["templates"]).format(
+                obj=obj.lower(), recep=(parent or "").lower(), toggle=(toggle or "").lower()
+            )
+            problem, planning_problem = build_problem(
+                rng, task_type, scene, obj, parent, toggle, max_receptacles, trial
+            )
+            game = {
+                "pddl_domain": domain,
+                "grammar": grammar.replace("UNKNOWN GOAL", task_desc),
+                "pddl_problem": planning_problem,
+            }
+            walkthrough = plan_walkthrough(planner, game)
+            if not walkthrough:
+                log("  unsolvable: %s in FloorPlan%d" % (task, scene))
+                continue
+            game_dir = os.path.join(
+                out_dir, "json_2.1.1", split, "%s-%s-None-%s-%d" % (task_type, obj, parent or toggle, scene), trial
+            )
+            os.makedirs(game_dir, exist_ok=True)
+            game.update(pddl_problem=problem, solvable=True, walkthrough=walkthrough)
+            _write_json(os.path.join(game_dir, "game.tw-pddl"), game)
+            _write_json(
+                os.path.join(game_dir, "traj_data.json"),
+                {
+                    "task_id": trial,
+                    "task_type": task_type,
+                    "split": split,
+                    "pddl_params": {
+                        "object_target": obj,
+                        "parent_target": parent or "",
+                        "toggle_target": toggle or "",
+                        "mrecep_target": "",
+                        "object_sliced": False,
+                    },
+                    "scene": {"floor_plan": "FloorPlan%d" % scene, "scene_num": scene},
+                    "turk_annotations": {"anns": [{"task_desc": task_desc}]},
+                },
+            )  # templated, not human-written
+            log("game %d/%d: %s (%d steps, %.2fs)" % (i + 1, n, game_dir, len(walkthrough), time.time() - t0))
+            return os.path.join(game_dir, "game.tw-pddl")
+        raise RuntimeError("could not generate a %s game" % task_type)
+
+    files = [None] * n
+    for _ in range(10):  # generate, then replay every new game to won in the real engine
+        todo = [i for i in range(n) if files[i] is None]
+        if not todo:
+            return files
+        for i in todo:
+            files[i] = new_game(i)
+        t0 = time.time()
+        results = replay_games([files[i] for i in todo])
+        log("replayed %d games in %.1fs" % (len(todo), time.time() - t0))
+        for i in todo:
+            if not results[files[i]]:
+                log("  discarded, walkthrough did not win: " + files[i])
+                shutil.rmtree(os.path.dirname(files[i]))
+                files[i] = None
+    raise RuntimeError("games keep failing their replay")
+
+
+DEFAULT_GAMES, DEFAULT_GAMES_SEED = 240, 0
+
+
+def default_data_root(
+    n: int = DEFAULT_GAMES, seed: int = DEFAULT_GAMES_SEED, cache_dir: str | Path | None = None
+) -> Path:
+    """The generated offline game set: made once into the cache (a few minutes, with a progress bar), reused after."""
+    from tqdm import tqdm
+
+    root = Path(cache_dir or DEFAULT_CACHE_DIR) / f"offline-games-n{n}-seed{seed}"
+    if not (root / "json_2.1.1").is_dir():
+        tmp = root.with_name(f"{root.name}.tmp{os.getpid()}")
+        with tqdm(total=n, desc=f"generating offline games into {root} (once)", unit="game", file=sys.stderr) as bar:
+            make_games(tmp, n, seed, log=lambda line: bar.update(line.startswith("game ")))
+        try:
+            os.replace(tmp, root)  # atomic; a concurrent generator wrote the same bytes
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return root
 
 
 # =============================================================================================

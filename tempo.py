@@ -159,9 +159,812 @@ class Args:
     """with --sampler vllm: the loss's old logprobs come from a trainer forward pass, not from the server"""
 
 
+# =============================================================================================
+# TEMPO: value parsing, signals, prompts, state store
+# =============================================================================================
+_VALUE_RE = re.compile(r"<value>\s*([+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?)\s*</value>", re.IGNORECASE)
+
+
+def parse_value(text) -> float | None:
+    """The last `<value>x</value>` of a critic reply, clamped to [0, 1]; None when absent or not finite."""
+    if not isinstance(text, str):
+        return None
+    matches = _VALUE_RE.findall(text)
+    if not matches:
+        return None
+    value = float(matches[-1])
+    return min(1.0, max(0.0, value)) if math.isfinite(value) else None
+
+
+def actor_signals(
+    segment_rewards: Sequence[float], endpoint_values: Sequence[float | None], terminal: Sequence[bool]
+) -> tuple[list[float], float, list[float]]:
+    """R_n = r_n + V_n (V_n = 0 for a terminal branch), G = mean(R), A_n = R_n - G."""
+    if not (len(segment_rewards) == len(endpoint_values) == len(terminal)) or not segment_rewards:
+        raise ValueError("actor_signals needs one reward, value and terminal flag per branch (at least one branch)")
+    returns = []
+    for reward, value, done in zip(segment_rewards, endpoint_values, terminal):
+        if not done and value is None:
+            raise ValueError("a non-terminal branch needs an endpoint value")
+        returns.append(float(reward) + (0.0 if done else float(value)))
+    value_target = sum(returns) / len(returns)
+    return returns, value_target, [r - value_target for r in returns]
+
+
+def critic_errors(values: Sequence[float | None], value_target: float) -> list[float]:
+    """|V_k - G| per critic sample; a parse failure (None) counts as 1, the largest error a parsed value can make
+    (values and targets both lie in [0, 1])."""
+    return [1.0 if v is None else abs(v - value_target) for v in values]
+
+
+def critic_signals(
+    values: Sequence[float | None], value_target: float, r_max: float
+) -> tuple[list[float], list[float]]:
+    """Reward -|V_k - G| / r_max per critic sample (a parse failure scores exactly like the worst possible
+    parsed answer, -1 / r_max), centred within the group."""
+    if not values:
+        raise ValueError("critic_signals needs at least one critic sample")
+    rewards = [-error / r_max for error in critic_errors(values, value_target)]
+    mean = sum(rewards) / len(rewards)
+    return rewards, [r - mean for r in rewards]
+
+
+def is_degenerate(advantages: Sequence[float]) -> bool:
+    return all(abs(a) < 1e-9 for a in advantages)
+
+
+CRITIC_SYSTEM_PROMPT = (
+    "You are the critic of an agent playing a household text game (ALFWorld). You see the task, the agent's "
+    "replies so far (its reasoning and the actions it sent) with the game's answers, and a reference solution "
+    "that the agent cannot see. Judge what the agent has achieved and understood, whether its current "
+    "hypothesis and plan still lead to the goal (check them against the reference), and what obstacles remain. "
+    "Estimate the probability that the agent, from where it stands now, completes the task within its remaining "
+    "steps. Reason briefly, then end your reply with <value>p</value>, p a number between 0 and 1."
+)
+PRIVILEGED_HEADER = "Reference solution (privileged, hidden from the agent):"
+ADMISSIBLE_SEPARATOR = "\nAdmissible actions: "  # how common.ChatProtocol appends the list to user/tool messages
+
+
+def trim_middle(text: str, max_chars: int) -> str:
+    """`text` cut to `max_chars` characters by dropping its middle: the plan at the start and the conclusion
+    at the end stay."""
+    if len(text) <= max_chars:
+        return text
+    head = max_chars // 2
+    return text[:head] + " [...] " + text[len(text) - (max_chars - head) :]
+
+
+def condensed_history(messages: Sequence[dict], step_chars: int) -> list[str]:
+    """The chat as the critic reads it: the first observation, then per turn the actor's reply (its reasoning
+    trimmed to `step_chars`, then the action it sent; a reply without a valid action is shown trimmed as
+    written) and what the game answered. Admissible-action lists are dropped."""
+    lines, turn = [], 0
+    for message in messages:
+        role, content = message["role"], message["content"]
+        if role == "user":
+            lines.append(f"Start: {content.split(ADMISSIBLE_SEPARATOR)[0].strip()}")
+        elif role == "assistant":
+            turn += 1
+            action = common.parse_action(content)
+            if action is None:
+                lines.append(f"Step {turn}: (no valid action) {trim_middle(content.strip(), step_chars)}".rstrip())
+            else:  # parse_action found exactly one tool call, at the end
+                reasoning = trim_middle(content[: content.find("<tool_call>")].strip(), step_chars)
+                lines.append(f"Step {turn}: " + (f"{reasoning}\n> {action}" if reasoning else f"> {action}"))
+        elif role == "tool":
+            status, _, observation = content.split(ADMISSIBLE_SEPARATOR)[0].partition("\nObservation: ")
+            lines[-1] += f" [{status.removeprefix('Status: ').split(':')[0]}] {observation.strip()}"
+    return lines
+
+
+def critic_prompt(
+    tokenizer,
+    task: str,
+    walkthrough: Sequence[str],
+    messages: Sequence[dict],
+    round_index: int,
+    max_episode_steps: int,
+    step_chars: int,
+) -> list[int]:
+    """Critic prompt tokens: task, steps left, the privileged walkthrough and the condensed history, rendered
+    as a plain chat (no tools)."""
+    reference = "\n".join(f"{i + 1}. {action}" for i, action in enumerate(walkthrough)) or "(none)"
+    user = (
+        f"Task: {task}\nSteps taken: {round_index} of {max_episode_steps} ({max_episode_steps - round_index} left)\n\n"
+        f"{PRIVILEGED_HEADER}\n{reference}\n\nHistory:\n" + "\n".join(condensed_history(messages, step_chars))
+    )
+    chat = [{"role": "system", "content": CRITIC_SYSTEM_PROMPT}, {"role": "user", "content": user}]
+    text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+class StateStore:
+    """FIFO store of macro-boundary states; the oldest fall out beyond `capacity`."""
+
+    def __init__(self, capacity: int):
+        self.states: deque[common.SavedState] = deque(maxlen=capacity)
+
+    def __len__(self) -> int:
+        return len(self.states)
+
+    def add(self, state: common.SavedState) -> None:
+        self.states.append(state)
+
+    def take(self, n: int, rng: random.Random) -> list[common.SavedState]:
+        """Up to n states, uniformly without replacement; taken states leave the store."""
+        picked = set(rng.sample(range(len(self.states)), min(n, len(self.states))))
+        taken = [s for i, s in enumerate(self.states) if i in picked]
+        kept = [s for i, s in enumerate(self.states) if i not in picked]
+        self.states.clear()
+        self.states.extend(kept)
+        return taken
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    batch: dict[str, torch.Tensor],
+    total_tokens: float,
+    *,
+    clip: tuple[float, float] | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """train_step's loss, token mean over the whole update. ratio = exp(logp - old_logp): clip=None is the
+    importance-sampling policy gradient -ratio * A (Tinker style); clip=(eps_low, eps_high) is PPO's
+    -min(ratio * A, clip(ratio) * A)."""
+    mask, advantages = batch["mask"], batch["advantages"]
+    ratio = torch.exp(logprobs - batch["old_logprobs"])
+    if clip is None:
+        per_token, is_clipped = -ratio * advantages, torch.zeros_like(mask)
+    else:
+        clipped_ratio = ratio.clamp(1.0 - clip[0], 1.0 + clip[1])
+        per_token = -torch.minimum(ratio * advantages, clipped_ratio * advantages)
+        is_clipped = (clipped_ratio * advantages < ratio * advantages).float()
+    return (per_token * mask).sum() / total_tokens, {"clip_frac": (is_clipped * mask).sum().item()}
+
+
+def critic_datum(prompt: list[int], reply: common.Completion, advantage: float) -> Datum:
+    """Critic prompt as context, the whole reply trained."""
+    n = len(reply.tokens)
+    return Datum(
+        prompt + reply.tokens,
+        [0.0] * len(prompt) + reply.logprobs,
+        [0.0] * len(prompt) + [advantage] * n,
+        [0.0] * len(prompt) + [1.0] * n,
+    )
+
+
+def validate_args(args: Args) -> None:
+    validate_model_args(args)
+    checks = [
+        (args.macro_rounds >= 1, f"--macro-rounds must be >= 1, got {args.macro_rounds}"),
+        (
+            args.max_episode_steps >= 1 and (args.eval_only or args.max_episode_steps % max(1, args.macro_rounds) == 0),
+            f"--max-episode-steps ({args.max_episode_steps}) must be a positive multiple of --macro-rounds ({args.macro_rounds})",
+        ),
+        (args.branches >= 2, f"--branches must be >= 2 (advantages compare branches), got {args.branches}"),
+        (
+            args.critic_samples >= 2,
+            f"--critic-samples must be >= 2 (rewards are centred within them), got {args.critic_samples}",
+        ),
+        (args.endpoint_samples >= 1, f"--endpoint-samples must be >= 1, got {args.endpoint_samples}"),
+        (args.states_per_batch >= 1, f"--states-per-batch must be >= 1, got {args.states_per_batch}"),
+        (args.warmup_updates >= 0, f"--warmup-updates must be >= 0, got {args.warmup_updates}"),
+        (args.warmup_games_per_batch >= 1, f"--warmup-games-per-batch must be >= 1, got {args.warmup_games_per_batch}"),
+        (args.td_updates >= 0, f"--td-updates must be >= 0, got {args.td_updates}"),
+        (args.warmup_updates + args.td_updates >= 1, "--warmup-updates + --td-updates must be >= 1"),
+        (
+            args.state_store_capacity >= args.states_per_batch,
+            f"--state-store-capacity ({args.state_store_capacity}) must be >= --states-per-batch ({args.states_per_batch})",
+        ),
+        (args.r_max > 0, f"--r-max must be > 0, got {args.r_max}"),
+        (
+            args.ppo_clip is None or (0 < args.ppo_clip[0] < 1 and args.ppo_clip[1] > 0),
+            f"--ppo-clip needs 0 < eps_low < 1 and eps_high > 0, got {args.ppo_clip}",
+        ),
+        (args.prefix_is_max_weight >= 1, f"--prefix-is-max-weight must be >= 1, got {args.prefix_is_max_weight}"),
+        (args.max_turn_tokens >= 1, f"--max-turn-tokens must be >= 1, got {args.max_turn_tokens}"),
+        (args.max_critic_tokens >= 1, f"--max-critic-tokens must be >= 1, got {args.max_critic_tokens}"),
+        (args.critic_step_chars >= 1, f"--critic-step-chars must be >= 1, got {args.critic_step_chars}"),
+        (
+            args.max_critic_tokens < args.max_trajectory_tokens,
+            f"--max-critic-tokens ({args.max_critic_tokens}) must be below --max-trajectory-tokens "
+            f"({args.max_trajectory_tokens}): critic prompt and reply share that budget",
+        ),
+        (
+            args.max_trajectory_tokens > args.max_turn_tokens,
+            f"--max-trajectory-tokens ({args.max_trajectory_tokens}) must exceed --max-turn-tokens ({args.max_turn_tokens})",
+        ),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ValueError(message)
+
+
+# =============================================================================================
+# Run state shared by the two phases
+# =============================================================================================
+@dataclass
+class Runtime:
+    args: Args
+    accelerator: object
+    tokenizer: object
+    model: object
+    optimizer: object
+    protocol: common.ChatProtocol
+    sample_fn: common.SampleFn
+    greedy_fn: common.SampleFn
+    data_root: str
+    games: list[str]  # this process's shard of the training games, shuffled with the seed
+    store: StateStore
+    rng: random.Random  # state-store sampling (saved in checkpoints)
+    game_cursor: int = 0
+    on_turn: Callable[[int, int], None] | None = None  # rollout progress (the logger's turn bar)
+    bad_games: int = 0  # games skipped since the last metrics row (rollout/bad_games_skipped)
+
+    def fresh_state(self) -> common.SavedState:
+        return next_fresh_state(self)
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps of this process: the game cursor, the store and its sampling RNG."""
+        return {
+            "game_cursor": self.game_cursor,
+            "rng": list(self.rng.getstate()),
+            "store": [s.to_json() for s in self.store.states],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.game_cursor = state["game_cursor"]
+        self.rng.setstate((state["rng"][0], tuple(state["rng"][1]), state["rng"][2]))
+        for saved in state["store"]:
+            self.store.add(common.SavedState.from_json(saved))
+
+    def critic_prompt(self, game_file: str, task: str, messages, round_index: int) -> list[int] | None:
+        """The critic prompt of a state; None when it leaves no room for a reply in --max-trajectory-tokens
+        (never sent; the caller counts it)."""
+        args = self.args
+        walkthrough = common.load_game(game_file).walkthrough
+        prompt = critic_prompt(
+            self.tokenizer, task, walkthrough, messages, round_index, args.max_episode_steps, args.critic_step_chars
+        )
+        return prompt if len(prompt) <= args.max_trajectory_tokens - args.max_critic_tokens else None
+
+    def train(self, datums: list[Datum]) -> dict:
+        drift = refresh_old_logprobs(self.model, self.accelerator, datums, self.args, self.tokenizer.pad_token_id)
+        return drift | train_step(
+            self.model,
+            self.optimizer,
+            self.accelerator,
+            datums,
+            functools.partial(policy_loss, clip=self.args.ppo_clip),
+            temperature=self.args.temperature,
+            pad_id=self.tokenizer.pad_token_id,
+            micro_batch_tokens=self.args.micro_batch_tokens,
+            max_grad_norm=self.args.max_grad_norm,
+        )
+
+
+def critic_metrics(values_per_state: Sequence[Sequence[float | None]], targets: Sequence[float], corr_key: str) -> dict:
+    """The critic's samples on a batch of states (one target each): parse failure rate, mean |V - G| with a
+    failure counted as 1 (abs_error_mean) and over parsed samples only, and under `corr_key` the correlation of
+    each state's mean parsed estimate with its target."""
+    errors = [e for values, g in zip(values_per_state, targets) for e in critic_errors(values, g)]
+    if not errors:
+        return {}
+    parsed = [(v, g) for values, g in zip(values_per_state, targets) for v in values if v is not None]
+    metrics = {
+        "critic/parse_failure_rate": 1 - len(parsed) / len(errors),
+        "critic/abs_error_mean": statistics.fmean(errors),
+    }
+    if parsed:
+        metrics["critic/abs_error_parsed_mean"] = statistics.fmean(abs(v - g) for v, g in parsed)
+    estimates = [
+        (statistics.fmean(v for v in values if v is not None), g)
+        for values, g in zip(values_per_state, targets)
+        if any(v is not None for v in values)
+    ]
+    if len({v for v, _ in estimates}) > 1 and len({g for _, g in estimates}) > 1:
+        metrics[corr_key] = statistics.correlation([v for v, _ in estimates], [g for _, g in estimates])
+    return metrics
+
+
+def sample_row(traj: common.Trajectory, **extra) -> dict:
+    """A readable trajectory segment for samples.jsonl."""
+    segment = traj.messages[len(traj.start.messages) :]
+    return {
+        "game": traj.start.game_file,
+        "round_index": traj.start.round_index,
+        "task": traj.start.task,
+        "stop_reason": traj.stop_reason,
+        "messages": segment,
+        **extra,
+    }
+
+
+# =============================================================================================
+# Phase 1: value warm-up (critic only, Monte-Carlo targets)
+# =============================================================================================
+def warmup_update(rt: Runtime) -> tuple[dict, list[dict]]:
+    args, t0 = rt.args, time.time()
+    # ---- Phase 1, step 1: fresh games, N full trajectories each (one macro step = the whole episode)
+    starts = [rt.fresh_state() for _ in range(args.warmup_games_per_batch)]
+    groups = common.rollout(
+        starts,
+        args.branches,
+        rt.sample_fn,
+        rt.protocol,
+        horizon=args.max_episode_steps,
+        max_episode_steps=args.max_episode_steps,
+        max_turn_tokens=args.max_turn_tokens,
+        max_trajectory_tokens=args.max_trajectory_tokens,
+        on_turn=rt.on_turn,
+    )
+    trajectories = [traj for group in groups for traj in group]
+    t_rollout = time.time()
+
+    # ---- Phase 1, step 2: the state at every H-turn boundary before the end (the start included), its target =
+    # the trajectory's return (0/1 won); a state whose critic prompt is over budget is skipped
+    boundary_states, too_long = [], 0
+    for traj in trajectories:
+        for round_index in range(traj.start.round_index, traj.round_index, args.macro_rounds):
+            messages = traj.messages[: len(traj.start.messages) + 2 * (round_index - traj.start.round_index)]
+            prompt = rt.critic_prompt(traj.start.game_file, traj.start.task, messages, round_index)
+            if prompt is None:
+                too_long += 1
+            else:
+                boundary_states.append((traj, prompt, 1.0 if traj.won else 0.0))
+    targets = [target for _, _, target in boundary_states]
+
+    # ---- Phase 1, step 3: K critic samples per boundary state, reward -|V - G| / r_max centred within the K
+    K = args.critic_samples
+    batch = [prompt for _, prompt, _ in boundary_states for _ in range(K)]
+    replies = rt.sample_fn(batch, args.max_critic_tokens) if batch else []
+    datums, values_per_state, degenerate = [], [], 0
+    for i, (_, prompt, target) in enumerate(boundary_states):
+        group_replies = replies[i * K : (i + 1) * K]
+        values = [parse_value(r.text) for r in group_replies]
+        values_per_state.append(values)
+        _, advantages = critic_signals(values, target, args.r_max)
+        if is_degenerate(advantages):
+            degenerate += 1
+            continue
+        datums += [critic_datum(prompt, reply, a) for reply, a in zip(group_replies, advantages)]
+    t_critic = time.time()
+
+    # ---- Phase 1, step 4: update the critic only
+    metrics = rt.train(datums)
+    metrics.update(rollout_metrics(trajectories))
+    metrics.update(critic_metrics(values_per_state, targets, "critic/value_corr"))
+    metrics.update(
+        {
+            "warmup/success_rate": sum(t.won for t in trajectories) / max(1, len(trajectories)),
+            "warmup/boundary_states": Count(len(boundary_states) + too_long),
+            "critic/prompt_too_long_rate": too_long / max(1, len(boundary_states) + too_long),
+            "critic/value_target_mean": statistics.fmean(targets) if targets else 0.0,
+            "critic/value_target_std": statistics.pstdev(targets) if targets else 0.0,
+            "critic/degenerate_group_rate": degenerate / max(1, len(boundary_states)),
+            "time/rollout": t_rollout - t0,
+            "time/critic": t_critic - t_rollout,
+            "time/update": time.time() - t_critic,
+        }
+    )
+    samples = []
+    if boundary_states:
+        samples.append(sample_row(boundary_states[0][0], critic_reply=replies[0].text, value_target=targets[0]))
+    return metrics, samples
+
+
+# =============================================================================================
+# Phase 2: TD loop (actor + critic)
+# =============================================================================================
+def has_room(traj: common.Trajectory, args: Args) -> bool:
+    """Another turn fits in the episode's token budget."""
+    return len(traj.tokens) + args.max_turn_tokens <= args.max_trajectory_tokens
+
+
+def prefix_weights(rt: Runtime, starts: Sequence[common.SavedState]) -> list[float | None]:
+    """exp(log p_now(prefix) - log p_old(prefix)) over the prefix's generated tokens, clipped to
+    [1 / max, max]; None for a state without generated tokens (a fresh game: nothing to correct)."""
+    with_prefix = [i for i, s in enumerate(starts) if any(k >= 0 for k in s.prefix_step_ids)]
+    current = sequence_logprobs(
+        rt.model,
+        rt.accelerator,
+        [starts[i].prefix_tokens for i in with_prefix],
+        rt.args.temperature,
+        rt.tokenizer.pad_token_id,
+        rt.args.micro_batch_tokens,
+    )
+    weights: list[float | None] = [None] * len(starts)
+    for i, logprobs in zip(with_prefix, current):
+        state = starts[i]
+        generated = zip(logprobs, state.prefix_logprobs, state.prefix_step_ids)
+        log_ratio = sum(now - old for now, old, k in generated if k >= 0)
+        bound = math.log(rt.args.prefix_is_max_weight)
+        weights[i] = math.exp(min(max(log_ratio, -bound), bound))
+    return weights
+
+
+def td_update(rt: Runtime) -> tuple[dict, list[dict]]:
+    args, t0 = rt.args, time.time()
+    # ---- Phase 2, step 1: start states, uniformly from the store; fresh games when it runs short
+    starts = rt.store.take(args.states_per_batch, rt.rng)
+    fresh = args.states_per_batch - len(starts)
+    starts += [rt.fresh_state() for _ in range(fresh)]
+
+    # ---- Phase 2, step 2: restore each state (replay, verified; one that fails is dropped, never fatal) and run N
+    # branches for H turns
+    groups = common.rollout(
+        starts,
+        args.branches,
+        rt.sample_fn,
+        rt.protocol,
+        horizon=args.macro_rounds,
+        max_episode_steps=args.max_episode_steps,
+        max_turn_tokens=args.max_turn_tokens,
+        max_trajectory_tokens=args.max_trajectory_tokens,
+        on_turn=rt.on_turn,
+    )
+    live_starts, live_groups = [s for s, g in zip(starts, groups) if g], [g for g in groups if g]
+    t_rollout = time.time()
+
+    # ---- Phase 2, step 3: value the branch endpoints with the critic (and sample it on the start states for step 5)
+    critic = critic_pass(rt, live_starts, live_groups)
+
+    # ---- Phase 2, step 4: branch returns R_n = r_n + V(endpoint_n) (0 for a terminal branch), A_n = R_n - mean(R)
+    signals = [
+        actor_signals([t.reward for t in group], values, [v is None for v in values])
+        for group, values in zip(live_groups, critic.branch_values)
+    ]
+    weights = prefix_weights(rt, live_starts) if args.prefix_is_correction else [None] * len(live_starts)
+
+    # ---- Phase 2, step 5: critic targets: K samples on each start state, reward -|V - G| towards G = mean(R)
+    start_values = [[parse_value(r.text) for r in replies] for replies in critic.start_replies]
+    critic_advantages = [
+        critic_signals(values, target, args.r_max)[1] if values else []
+        for values, (_, target, _) in zip(start_values, signals)
+    ]
+
+    # ---- Phase 2, step 6: one update, actor datums (saved prefix + segment) and critic datums (prompt + reply)
+    datums = []
+    for g, group in enumerate(live_groups):
+        scale = 1.0 if weights[g] is None else weights[g]
+        if not is_degenerate(signals[g][2]):
+            datums += trajectory_datums(group, [[a * scale] * len(t.steps) for t, a in zip(group, signals[g][2])])
+        if critic_advantages[g] and not is_degenerate(critic_advantages[g]):
+            replies = critic.start_replies[g]
+            datums += [critic_datum(critic.start_prompts[g], r, a) for r, a in zip(replies, critic_advantages[g])]
+    t_critic = time.time()
+    metrics = rt.train(datums)
+    t_update = time.time()
+
+    # ---- Phase 2, step 7: endpoints with room for another turn (and a critic prompt within budget, so they can be
+    # valued again) go back into the store
+    stored = [t for t, p in zip(critic.endpoints, critic.endpoint_prompts) if p is not None and has_room(t, args)]
+    for traj in stored:
+        rt.store.add(traj.saved_state())
+
+    metrics |= td_metrics(rt, live_starts, live_groups, critic, signals, weights, start_values, critic_advantages)
+    metrics |= {
+        "td/fresh_states": Count(fresh),
+        "td/new_endpoints": Count(len(stored)),
+        "td/restore_failures": Count(len(starts) - len(live_starts)),
+        "td/macro_index_mean": statistics.fmean(s.round_index / args.macro_rounds for s in starts),
+        "time/rollout": t_rollout - t0,
+        "time/critic": t_critic - t_rollout,
+        "time/update": t_update - t_critic,
+    }
+    return metrics, td_samples(live_groups, critic, signals)
+
+
+@dataclass
+class CriticPass:
+    """The critic's one batched call of a TD update: E samples on every branch endpoint, K on every start state."""
+
+    branch_values: list[list[float | None]]  # per group and branch: V(endpoint), mean of its parsed samples (0 when
+    # all fail or its prompt is over budget); None for a terminal branch (won, at T, or out of tokens mid-segment)
+    endpoints: list[common.Trajectory]  # the branches that stopped at the macro boundary
+    endpoint_prompts: list[list[int] | None]  # None: over budget, never sent
+    start_prompts: list[list[int] | None]
+    start_replies: list[list[common.Completion]]  # [] when the start state's prompt is over budget
+    endpoint_failures: int  # endpoint samples that did not parse
+
+
+def critic_pass(rt: Runtime, starts: Sequence[common.SavedState], groups) -> CriticPass:
+    """A branch stopped at the macro boundary is valued (also one with no token room for another turn: truncated,
+    not ended); every other branch is terminal."""
+    E, K = rt.args.endpoint_samples, rt.args.critic_samples
+    endpoints = [t for group in groups for t in group if t.stop_reason == common.STOP_HORIZON]
+    endpoint_prompts = [rt.critic_prompt(t.start.game_file, t.start.task, t.messages, t.round_index) for t in endpoints]
+    start_prompts = [rt.critic_prompt(s.game_file, s.task, s.messages, s.round_index) for s in starts]
+    batch = [p for p in endpoint_prompts if p is not None for _ in range(E)]
+    batch += [p for p in start_prompts if p is not None for _ in range(K)]
+    replies = iter(rt.sample_fn(batch, rt.args.max_critic_tokens) if batch else [])
+    values, failures = [], 0
+    for prompt in endpoint_prompts:
+        samples = [parse_value(next(replies).text) for _ in range(E)] if prompt is not None else []
+        parsed = [v for v in samples if v is not None]
+        failures += len(samples) - len(parsed)
+        values.append(statistics.fmean(parsed) if parsed else 0.0)
+    start_replies = [[next(replies) for _ in range(K)] if p is not None else [] for p in start_prompts]
+    endpoint_values = iter(values)
+    branch_values = [
+        [next(endpoint_values) if t.stop_reason == common.STOP_HORIZON else None for t in group] for group in groups
+    ]
+    return CriticPass(branch_values, endpoints, endpoint_prompts, start_prompts, start_replies, failures)
+
+
+def td_metrics(rt, starts, groups, critic: CriticPass, signals, weights, start_values, critic_advantages) -> dict:
+    trajectories = [traj for group in groups for traj in group]
+    value_targets = [target for _, target, _ in signals]
+    sent = [(values, target) for values, target in zip(start_values, value_targets) if values]
+    zero_reward_gaps = []
+    for group, values in zip(groups, critic.branch_values):
+        zero = [v for v, t in zip(values, group) if v is not None and t.reward == 0]
+        zero_reward_gaps.append(statistics.pstdev(zero) if len(zero) >= 2 else 0.0)
+    metrics = rollout_metrics(trajectories)
+    metrics |= critic_metrics([v for v, _ in sent], [g for _, g in sent], "critic/td_target_corr")
+    parsed_weights = [w for w in weights if w is not None]
+    if parsed_weights:
+        metrics["td/prefix_is_weight_mean"] = statistics.fmean(parsed_weights)
+        metrics["td/prefix_is_weight_max"] = max(parsed_weights)
+    endpoint_values = [v for values in critic.branch_values for v in values if v is not None]
+    if endpoint_values:
+        metrics["critic/endpoint_value_mean"] = statistics.fmean(endpoint_values)
+    prompts = critic.endpoint_prompts + critic.start_prompts
+    return metrics | {
+        "critic/endpoint_parse_failures": Count(critic.endpoint_failures),
+        "critic/prompt_too_long_rate": sum(p is None for p in prompts) / max(1, len(prompts)),
+        "critic/value_target_mean": statistics.fmean(value_targets) if value_targets else 0.0,
+        "critic/value_target_std": statistics.pstdev(value_targets) if value_targets else 0.0,
+        "critic/degenerate_group_rate": sum(is_degenerate(a) for a in critic_advantages if a) / max(1, len(sent)),
+        "actor/segment_reward_mean": statistics.fmean(t.reward for t in trajectories) if trajectories else 0.0,
+        "actor/degenerate_group_rate": sum(is_degenerate(a) for _, _, a in signals) / max(1, len(groups)),
+        "actor/macro_boundary_rate": len(critic.endpoints) / max(1, len(trajectories)),
+        "actor/value_gap_zero_reward": statistics.fmean(zero_reward_gaps) if zero_reward_gaps else 0.0,
+        "td/store_size": Count(len(rt.store)),
+    }
+
+
+def td_samples(groups, critic: CriticPass, signals) -> list[dict]:
+    """The first group's first branch, for samples.jsonl."""
+    if not groups:
+        return []
+    replies, (_, value_target, advantages) = critic.start_replies[0], signals[0]
+    return [
+        sample_row(
+            groups[0][0],
+            segment_reward=groups[0][0].reward,
+            endpoint_value=critic.branch_values[0][0],
+            advantage=advantages[0],
+            critic_reply=replies[0].text if replies else None,
+            value_target=value_target,
+        )
+    ]
+
+
+# =============================================================================================
+# Main: warm-up updates, then TD updates (train(), in the plumbing below, runs the job around them)
+# =============================================================================================
+RESUME_MAY_CHANGE = ("td_updates",)  # flags that only extend a run
+POSTFIX_KEYS = ("critic/abs_error_mean", "critic/value_corr", "rollout/success_rate", "td/fresh_states", "train/loss")
+
+
+def make_runtime(args: Args, accelerator) -> Runtime:
+    """This process's shard of the training games (checked before the model loads), model, optimizer, chat
+    protocol, samplers and an empty state store."""
+    data_root, games = training_games(args, accelerator)
+    tokenizer, model, optimizer = load_model(args, accelerator)
+    return Runtime(
+        args,
+        accelerator,
+        tokenizer,
+        model,
+        optimizer,
+        common.ChatProtocol(tokenizer),
+        make_sampler(model, tokenizer, accelerator, args),
+        make_sampler(model, tokenizer, accelerator, args, greedy=True),
+        data_root,
+        games,
+        StateStore(args.state_store_capacity),
+        random.Random(args.seed + accelerator.process_index),
+    )
+
+
+def one_update(rt: Runtime, update: int) -> tuple[dict, list[dict], dict]:
+    phase = "warmup" if update <= rt.args.warmup_updates else "td"
+    metrics, samples = warmup_update(rt) if phase == "warmup" else td_update(rt)
+    return metrics, samples, {"phase": phase}
+
+
+def main(args: Args) -> Path:
+    """Train (or evaluate, with --eval-only); returns the run directory."""
+    with training_job(args, ALGORITHM, validate_args, RESUME_MAY_CHANGE) as (args, accelerator, checkpoint, state):
+        with starting():  # endpoint checks
+            rt = make_runtime(args, accelerator)
+        total_updates = args.warmup_updates + args.td_updates
+        return train(rt, ALGORITHM, checkpoint, state, total_updates, one_update, args.max_episode_steps, POSTFIX_KEYS)
+
+
 # ===== model side: identical in tempo.py and adca_grpo.py =====
-# Start-up checks, loading, sampling, teacher-forced logprobs, the loss and update, run logging, checkpoints and
-# evaluation. Reads only the shared Args fields; everything algorithm-specific is passed in.
+# The plumbing of a training job, byte-identical in both scripts (tests/test_layout.py): first the job that main()
+# runs (training_job, train), then start-up checks, loading, sampling, teacher-forced logprobs, the micro-batched
+# optimizer step, run logging, checkpoints and evaluation. Reads only the shared Args fields; everything
+# algorithm-specific is passed in.
+@contextlib.contextmanager
+def training_job(args, algorithm: str, validate_args, resume_may_change: Sequence[str] = ()):
+    """The accelerator, start-up checks (start) and seeds around a run; yields (args as the run uses them,
+    accelerator, checkpoint to resume or evaluate or None, its trainer state or None)."""
+    accelerator = make_accelerator()
+    try:
+        args, checkpoint, trainer_state = start(args, algorithm, accelerator, validate_args, resume_may_change)
+        seed_everything(args.seed + accelerator.process_index)
+        yield args, accelerator, checkpoint, trainer_state
+    finally:
+        close_distributed()
+
+
+def next_fresh_state(rt) -> common.SavedState:
+    """The next of rt.games from its start (games cycle in their shuffled order). A game that passed the start-up
+    parse but does not load is skipped, named on stderr and counted (rt.bad_games): a bad game never ends the run."""
+    for _ in rt.games:
+        game = rt.games[rt.game_cursor % len(rt.games)]
+        rt.game_cursor += 1
+        try:
+            return common.fresh_state(game, rt.protocol, seed=rt.game_cursor)
+        except common.BadGameError as error:
+            rt.bad_games += 1
+            print(f"[games] WARNING: skipped a game that does not load: {error}", file=sys.stderr)
+    raise RuntimeError(f"none of this process's {len(rt.games)} training games loads")
+
+
+def train(rt, algorithm: str, checkpoint, trainer_state, total_updates: int, one_update, eval_steps: int, postfix_keys):
+    """The job around an algorithm's updates: --eval-only, or resume (rt.load_state_dict, then model, optimizer
+    and RNGs), then per update: one_update(rt, update) -> (metrics, samples, tags), metrics reduced over the
+    processes, evaluation every --eval-every, a metrics row (with the tags) and a checkpoint (tags and every
+    process's rt.state_dict()). Returns the run directory."""
+    args, accelerator = rt.args, rt.accelerator
+    if args.eval_only:  # the checkpoint's adapter, one evaluation: one metrics row (update = the checkpoint's)
+        load_checkpoint(checkpoint, rt.model, None, accelerator)
+        run_dir = new_run_dir(args)
+        logger = RunLogger(args, run_dir, accelerator, 1, 0)
+        metrics = evaluate(rt, eval_steps, on_turn=logger.on_turn)
+        logger.log(trainer_state["update"], {"checkpoint": str(checkpoint), **metrics})
+        logger.close()
+        if accelerator.is_main_process:
+            print(json.dumps(metrics, indent=2))
+        return run_dir
+
+    done = trainer_state["update"] if checkpoint is not None else 0
+    run_dir = checkpoint.parent.parent if checkpoint is not None else new_run_dir(args)
+    logger = RunLogger(args, run_dir, accelerator, total_updates, done, postfix_keys)
+    rt.on_turn = logger.on_turn
+    if checkpoint is not None:
+        rt.load_state_dict(trainer_state["rank_states"][accelerator.process_index])
+        load_checkpoint(checkpoint, rt.model, rt.optimizer, accelerator)  # last: the RNG states as they were saved
+        if accelerator.is_main_process:
+            print(f"resumed {checkpoint} (update {done} of {total_updates})", file=sys.stderr)
+
+    for update in range(done + 1, total_updates + 1):
+        metrics, samples, tags = one_update(rt, update)
+        metrics["rollout/bad_games_skipped"], rt.bad_games = Count(rt.bad_games), 0
+        metrics = reduce_metrics(accelerator, metrics)
+        last = update == total_updates
+        if args.eval_every and args.eval_games and (last or update % args.eval_every == 0):
+            metrics.update(evaluate(rt, eval_steps, on_turn=logger.on_turn))
+        logger.log(update, {**tags, **metrics}, samples)
+        if last or (args.save_every and update % args.save_every == 0):
+            save_checkpoint(run_dir, update, rt.model, rt.optimizer, accelerator, algorithm, tags, rt.state_dict())
+    logger.close()
+    return run_dir
+
+
+class StartupError(ValueError):
+    """A bad flag, game, checkpoint or endpoint, found before training (the CLI prints it as one line, exits 2)."""
+
+
+@contextlib.contextmanager
+def starting():
+    """A ValueError raised inside is a StartupError."""
+    try:
+        yield
+    except ValueError as error:
+        raise StartupError(str(error)) from error
+
+
+# Flags a resumed run may change: where and how fast it runs and what it logs, not what it trains.
+RESUME_FREE_FLAGS = (
+    "resume",
+    "eval_only",
+    "output_dir",
+    "track",
+    "wandb_project",
+    "save_every",
+    "eval_every",
+    "eval_games",
+    "threads",
+    "micro_batch_tokens",
+    "sample_batch_size",
+    "sampler",
+    "sampler_url",
+    "sampler_adapter_dir",
+    "sampler_concurrency",
+    "sampler_timeout_s",
+    "sampler_deadline_s",
+)
+
+
+def start(args, algorithm: str, accelerator, validate_args, resume_may_change: Sequence[str] = ()):
+    """Every check that can fail at start, before any model loads: flags, threads, model, output dir, checkpoint,
+    games. Returns (args as the run uses them, checkpoint to load or None, its trainer state or None). The args:
+    data root resolved; --eval-only: every flag left at its default takes the evaluated run's value (its
+    config.json); --resume: flags that change what the run is (all but RESUME_FREE_FLAGS and resume_may_change)
+    must equal the run's."""
+    with starting():
+        validate_model_args(args)  # before looking the checkpoint up (--resume and --eval-only exclude each other)
+        flag, spec = ("--eval-only", args.eval_only) if args.eval_only else ("--resume", args.resume)
+        checkpoint = find_checkpoint(spec, args.output_dir, args.exp_name, args.seed, flag)
+        config_file = checkpoint.parent.parent / "config.json" if checkpoint is not None else None
+        config = json.loads(config_file.read_text()) if config_file is not None and config_file.is_file() else {}
+        if args.eval_only:
+            defaults = dataclasses.asdict(type(args)())
+            inherited = {
+                key: tuple(value) if isinstance(value, list) else value
+                for key, value in config.items()
+                if key in defaults
+                and key not in ("resume", "eval_only", "output_dir", "threads")
+                and getattr(args, key) == defaults[key]
+            }
+            args = dataclasses.replace(args, **inherited)
+        validate_args(args)
+        set_threads(args, int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes)))
+        check_model(args.model)
+        require_writable_dir(args.output_dir, "--output-dir")
+        if checkpoint is None and spec:
+            if args.eval_only:
+                raise ValueError(
+                    f"--eval-only auto: no checkpoint of a run {args.exp_name}__{args.seed}__* in {args.output_dir}"
+                )
+            print(
+                f"[start] --resume auto: no checkpoint of a run {args.exp_name}__{args.seed}__* in "
+                f"{args.output_dir}; starting a new run",
+                file=sys.stderr,
+            )
+        with accelerator.main_process_first():  # the offline game set is generated once, not once per process
+            args = dataclasses.replace(args, data_root=args.data_root or str(common.default_data_root()))
+        state = None
+        if checkpoint is not None:
+            state = check_checkpoint(
+                checkpoint, args, algorithm, flag, None if args.eval_only else accelerator.num_processes
+            )
+            ours, free = json.loads(json.dumps(dataclasses.asdict(args))), (*RESUME_FREE_FLAGS, *resume_may_change)
+            differences = [
+                f"--{key.replace('_', '-')} {ours[key]} (the run: {config[key]})"
+                for key in ours
+                if not args.eval_only and key in config and key not in free and ours[key] != config[key]
+            ]
+            if differences:
+                raise ValueError(
+                    f"--resume {checkpoint}: these flags change what the run is, and differ from its "
+                    f"{config_file}: {'; '.join(differences)}. Pass the run's values, or start a new run"
+                )
+        games = [] if args.eval_only else training_games(args, accelerator)[1]
+        for split in ("valid_seen", "valid_unseen") if args.eval_only or args.eval_every else ():
+            try:
+                games += common.eval_subset(args.data_root, split, args.task_types, args.eval_games)
+            except FileNotFoundError:
+                pass  # evaluate() says so
+        common.check_games(games)
+        return args, checkpoint, state
+
+
+def cli(args_type, main) -> None:
+    """tyro's CLI around main: a StartupError prints just its message and exits 2, as tyro does for a bad flag."""
+    args = tyro.cli(args_type)
+    try:
+        main(args)
+    except StartupError as error:
+        print(f"error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 def validate_model_args(args) -> None:
     """Fail at start, naming the flag, on any shared setting that cannot work."""
     checks = [
@@ -202,15 +1005,6 @@ def validate_model_args(args) -> None:
         (args.threads >= 0, f"--threads must be >= 0, got {args.threads}"),
         (not (args.resume and args.eval_only), "--resume and --eval-only cannot be combined"),
         (not args.eval_only or args.eval_games >= 1, "--eval-only needs --eval-games >= 1"),
-    ]
-    for ok, message in checks:
-        if not ok:
-            raise ValueError(message)
-    validate_sampler_args(args)
-
-
-def validate_sampler_args(args) -> None:
-    checks = [
         (
             args.sampler == "generate" or args.sampler_url.startswith(("http://", "https://")),
             f"--sampler vllm needs --sampler-url http://HOST:PORT/v1, got {args.sampler_url!r}",
@@ -680,6 +1474,38 @@ class Datum:
             raise ValueError("the first token of a datum has no prediction and cannot be trained")
 
 
+def broadcast_to_tokens(step_advantages: Sequence[Sequence[float]], step_ids: torch.Tensor) -> torch.Tensor:
+    """(B, L) step ids (-1 = context) -> (B, L) float advantages: every token generated at step k
+    gets its row's step_advantages[k]; context tokens get 0."""
+    if step_ids.dim() != 2 or len(step_advantages) != step_ids.shape[0]:
+        raise ValueError(
+            f"step_ids must be (B, L) with B = {len(step_advantages)} rows, got shape {tuple(step_ids.shape)}"
+        )
+    width = max((len(row) for row in step_advantages), default=0)
+    table = torch.zeros(len(step_advantages), width + 1, dtype=torch.float32)  # last column: 0 for context
+    for i, row in enumerate(step_advantages):
+        table[i, : len(row)] = torch.tensor(row, dtype=torch.float32)
+    lengths = torch.tensor([len(row) for row in step_advantages]).unsqueeze(1)
+    ids = step_ids.long().cpu()
+    if bool((ids >= lengths).any()):
+        raise ValueError("step_ids refer to a step beyond the advantages given for that row")
+    index = torch.where(ids >= 0, ids, torch.full_like(ids, width))
+    return table.gather(1, index).to(step_ids.device)
+
+
+def trajectory_datums(trajectories: Sequence[common.Trajectory], step_advantages: Sequence[Sequence[float]]):
+    """One datum per trajectory (its saved prefix and its steps): every token generated at its step k is trained with
+    its step_advantages[k]; the prompts and the saved prefix are context."""
+    sequences = [traj.sequence() for traj in trajectories]
+    width = max((len(tokens) for tokens, _, _ in sequences), default=0)
+    step_ids = torch.tensor([ids + [-1] * (width - len(ids)) for _, _, ids in sequences], dtype=torch.long)
+    token_advantages = broadcast_to_tokens(step_advantages, step_ids.view(len(sequences), width)).tolist()
+    return [
+        Datum(list(tokens), list(old_logprobs), advantages[: len(tokens)], [1.0 if k >= 0 else 0.0 for k in ids])
+        for (tokens, old_logprobs, ids), advantages in zip(sequences, token_advantages)
+    ]
+
+
 # loss_fn(logprobs, batch, total_tokens) -> (loss, stats); see train_step
 LossFn = Callable[[torch.Tensor, dict[str, torch.Tensor], float], tuple[torch.Tensor, dict[str, float]]]
 
@@ -770,16 +1596,37 @@ def train_step(
     }
 
 
-def reduce_metrics(accelerator, metrics: dict, sum_keys: Sequence[str] = ()) -> dict:
-    """Metrics of all processes: counts in sum_keys are summed, everything else averaged over the
-    processes that report it."""
+def rollout_metrics(trajectories: Sequence[common.Trajectory]) -> dict:
+    """rollout/ metrics of a batch of trajectories; {} for none."""
+    steps = [step for traj in trajectories for step in traj.steps]
+    if not trajectories:
+        return {}
+    return {
+        "rollout/valid_format_rate": sum(s.valid for s in steps) / max(1, len(steps)),
+        "rollout/admissible_rate": sum(s.admissible for s in steps) / max(1, len(steps)),
+        "rollout/steps": len(steps) / len(trajectories),
+        "rollout/success_rate": sum(t.won for t in trajectories) / len(trajectories),
+        "rollout/generated_tokens": Count(sum(len(s.completion_tokens) for s in steps)),
+    }
+
+
+class Count(float):
+    """A metric that counts something: summed over the processes, where every other metric is averaged."""
+
+
+def reduce_metrics(accelerator, metrics: dict) -> dict:
+    """Metrics of all processes: a Count is summed, everything else averaged over the processes that report it.
+    An int (or bool) metric is refused: a count must say that it is one, or it would be averaged silently."""
     from accelerate.utils import gather_object
 
+    for key, value in metrics.items():
+        if isinstance(value, int):
+            raise TypeError(f"metric {key} is an int: make it Count(...) (summed over processes) or a float (averaged)")
     per_rank = gather_object([metrics]) if accelerator.num_processes > 1 else [metrics]
     merged = {}
     for key in dict.fromkeys(k for m in per_rank for k in m):
         values = [m[key] for m in per_rank if key in m]
-        merged[key] = sum(values) if key in sum_keys else sum(values) / len(values)
+        merged[key] = sum(values) if isinstance(values[0], Count) else sum(values) / len(values)
     return merged
 
 
@@ -978,6 +1825,19 @@ def _checkpoints_in(run_dir: Path) -> list[Path]:
     return sorted(p for p in (run_dir / "checkpoints").glob("update_*") if (p / "trainer_state.json").is_file())
 
 
+def load_checkpoint(path: Path, model, optimizer, accelerator) -> None:
+    """Adapter weights; with an optimizer (resuming) also its state and this process's RNG states, so call it
+    right before the first update. Nothing is unpickled: safetensors, and torch.load(weights_only=True)."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    weights = load_file(str(path / "adapter_model.safetensors"))  # on CPU; copied into the parameters' device
+    set_peft_model_state_dict(accelerator.unwrap_model(model), weights)
+    if optimizer is not None:
+        optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True, map_location=accelerator.device))
+        _set_rng_state(torch.load(path / "rng.pt", weights_only=True)[accelerator.process_index])
+
+
 def find_checkpoint(spec: str, output_dir: str, exp_name: str, seed: int, flag: str) -> Path | None:
     """`spec` of --resume / --eval-only: "" -> None; "auto" -> newest checkpoint of the latest run named exp_name
     with this seed (None if there is none); a checkpoint dir; or a run dir (its newest checkpoint)."""
@@ -1050,149 +1910,16 @@ def check_checkpoint(path: Path, args, algorithm: str, flag: str, num_processes:
     return state
 
 
-class StartupError(ValueError):
-    """A bad flag, game, checkpoint or endpoint, found before training (the CLI prints it as one line, exits 2)."""
-
-
-@contextlib.contextmanager
-def starting():
-    """A ValueError raised inside is a StartupError."""
-    try:
-        yield
-    except ValueError as error:
-        raise StartupError(str(error)) from error
-
-
-# Flags a resumed run may change: where and how fast it runs and what it logs, not what it trains.
-RESUME_FREE_FLAGS = (
-    "resume",
-    "eval_only",
-    "output_dir",
-    "track",
-    "wandb_project",
-    "save_every",
-    "eval_every",
-    "eval_games",
-    "threads",
-    "micro_batch_tokens",
-    "sample_batch_size",
-    "sampler",
-    "sampler_url",
-    "sampler_adapter_dir",
-    "sampler_concurrency",
-    "sampler_timeout_s",
-    "sampler_deadline_s",
-)
-
-
-def start(args, algorithm: str, accelerator, validate_args, resume_may_change: Sequence[str] = ()):
-    """Every check that can fail at start, before any model loads: flags, threads, model, output dir, checkpoint,
-    games. Returns (args as the run uses them, checkpoint to load or None, its trainer state or None). The args:
-    data root resolved; --eval-only: every flag left at its default takes the evaluated run's value (its
-    config.json); --resume: flags that change what the run is (all but RESUME_FREE_FLAGS and resume_may_change)
-    must equal the run's."""
-    with starting():
-        validate_model_args(args)  # before looking the checkpoint up (--resume and --eval-only exclude each other)
-        flag, spec = ("--eval-only", args.eval_only) if args.eval_only else ("--resume", args.resume)
-        checkpoint = find_checkpoint(spec, args.output_dir, args.exp_name, args.seed, flag)
-        config_file = checkpoint.parent.parent / "config.json" if checkpoint is not None else None
-        config = json.loads(config_file.read_text()) if config_file is not None and config_file.is_file() else {}
-        if args.eval_only:
-            defaults = dataclasses.asdict(type(args)())
-            inherited = {
-                key: tuple(value) if isinstance(value, list) else value
-                for key, value in config.items()
-                if key in defaults
-                and key not in ("resume", "eval_only", "output_dir", "threads")
-                and getattr(args, key) == defaults[key]
-            }
-            args = dataclasses.replace(args, **inherited)
-        validate_args(args)
-        set_threads(args, int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes)))
-        check_model(args.model)
-        require_writable_dir(args.output_dir, "--output-dir")
-        if checkpoint is None and spec:
-            if args.eval_only:
-                raise ValueError(
-                    f"--eval-only auto: no checkpoint of a run {args.exp_name}__{args.seed}__* in {args.output_dir}"
-                )
-            print(
-                f"[start] --resume auto: no checkpoint of a run {args.exp_name}__{args.seed}__* in "
-                f"{args.output_dir}; starting a new run",
-                file=sys.stderr,
-            )
-        with accelerator.main_process_first():  # the offline game set is generated once, not once per process
-            args = dataclasses.replace(args, data_root=args.data_root or str(common.default_data_root()))
-        state = None
-        if checkpoint is not None:
-            state = check_checkpoint(
-                checkpoint, args, algorithm, flag, None if args.eval_only else accelerator.num_processes
-            )
-            ours, free = json.loads(json.dumps(dataclasses.asdict(args))), (*RESUME_FREE_FLAGS, *resume_may_change)
-            differences = [
-                f"--{key.replace('_', '-')} {ours[key]} (the run: {config[key]})"
-                for key in ours
-                if not args.eval_only and key in config and key not in free and ours[key] != config[key]
-            ]
-            if differences:
-                raise ValueError(
-                    f"--resume {checkpoint}: these flags change what the run is, and differ from its "
-                    f"{config_file}: {'; '.join(differences)}. Pass the run's values, or start a new run"
-                )
-        games = [] if args.eval_only else training_games(args, accelerator)[1]
-        for split in ("valid_seen", "valid_unseen") if args.eval_only or args.eval_every else ():
-            try:
-                games += common.eval_subset(args.data_root, split, args.task_types, args.eval_games)
-            except FileNotFoundError:
-                pass  # evaluate() says so
-        common.check_games(games)
-        return args, checkpoint, state
-
-
-def cli(args_type, main) -> None:
-    """tyro's CLI around main: a StartupError prints just its message and exits 2, as tyro does for a bad flag."""
-    args = tyro.cli(args_type)
-    try:
-        main(args)
-    except StartupError as error:
-        print(f"error: {error}", file=sys.stderr)
-        raise SystemExit(2) from None
-
-
-def load_checkpoint(path: Path, model, optimizer, accelerator) -> None:
-    """Adapter weights; with an optimizer (resuming) also its state and this process's RNG states, so call it
-    right before the first update. Nothing is unpickled: safetensors, and torch.load(weights_only=True)."""
-    from peft import set_peft_model_state_dict
-    from safetensors.torch import load_file
-
-    weights = load_file(str(path / "adapter_model.safetensors"))  # on CPU; copied into the parameters' device
-    set_peft_model_state_dict(accelerator.unwrap_model(model), weights)
-    if optimizer is not None:
-        optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True, map_location=accelerator.device))
-        _set_rng_state(torch.load(path / "rng.pt", weights_only=True)[accelerator.process_index])
-
-
-def evaluate(
-    sample_fn: common.SampleFn,
-    protocol: common.ChatProtocol,
-    accelerator,
-    *,
-    data_root,
-    task_types,
-    eval_games: int,
-    max_episode_steps: int,
-    max_turn_tokens: int,
-    max_trajectory_tokens: int,
-    on_turn=None,
-) -> dict:
-    """Greedy episodes on eval_games games (common.eval_subset) of valid_seen and valid_unseen (sharded over processes).
-    invalid_action_rate = turns whose reply was not an admissible action (bad format or not admissible)."""
+def evaluate(rt, max_episode_steps: int, on_turn=None) -> dict:
+    """Greedy episodes (rt.greedy_fn) on --eval-games games (common.eval_subset) of valid_seen and valid_unseen,
+    sharded over the processes. invalid_action_rate = turns whose reply was not an admissible action (bad format or
+    not admissible)."""
     from accelerate.utils import gather_object
 
-    metrics = {}
+    args, accelerator, protocol, metrics = rt.args, rt.accelerator, rt.protocol, {}
     for split in ("valid_seen", "valid_unseen"):
         try:
-            games = common.eval_subset(data_root, split, task_types, eval_games)
+            games = common.eval_subset(args.data_root, split, args.task_types, args.eval_games)
         except FileNotFoundError as error:
             print(f"[eval] skipping {split}: {error}", file=sys.stderr)
             continue
@@ -1202,12 +1929,12 @@ def evaluate(
             common.rollout(
                 starts,
                 1,
-                sample_fn,
+                rt.greedy_fn,
                 protocol,
                 horizon=max_episode_steps,
                 max_episode_steps=max_episode_steps,
-                max_turn_tokens=max_turn_tokens,
-                max_trajectory_tokens=max_trajectory_tokens,
+                max_turn_tokens=args.max_turn_tokens,
+                max_trajectory_tokens=args.max_trajectory_tokens,
                 on_turn=on_turn,
             )
             if starts
@@ -1239,22 +1966,6 @@ def evaluate(
     return metrics
 
 
-def evaluate_checkpoint(
-    args, checkpoint: Path, trainer_state: dict, model, greedy_fn, protocol, accelerator, eval_kwargs
-) -> Path:
-    """--eval-only: the checkpoint's adapter, one greedy evaluation, logged as one metrics.jsonl row (update = the
-    checkpoint's) of a new run dir, and printed."""
-    load_checkpoint(checkpoint, model, None, accelerator)
-    run_dir = new_run_dir(args)
-    logger = RunLogger(args, run_dir, accelerator, 1, 0)
-    metrics = evaluate(greedy_fn, protocol, accelerator, **eval_kwargs, on_turn=logger.on_turn)
-    logger.log(trainer_state["update"], {"checkpoint": str(checkpoint), **metrics})
-    logger.close()
-    if accelerator.is_main_process:
-        print(json.dumps(metrics, indent=2))
-    return run_dir
-
-
 def close_distributed() -> None:
     """Two-process CPU runs have hung at exit without this."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -1262,676 +1973,6 @@ def close_distributed() -> None:
 
 
 # ===== end model side =====
-
-
-# =============================================================================================
-# TEMPO: value parsing, signals, prompts, state store
-# =============================================================================================
-_VALUE_RE = re.compile(r"<value>\s*([+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?)\s*</value>", re.IGNORECASE)
-
-
-def parse_value(text) -> float | None:
-    """The last `<value>x</value>` of a critic reply, clamped to [0, 1]; None when absent or not finite."""
-    if not isinstance(text, str):
-        return None
-    matches = _VALUE_RE.findall(text)
-    if not matches:
-        return None
-    value = float(matches[-1])
-    return min(1.0, max(0.0, value)) if math.isfinite(value) else None
-
-
-def actor_signals(
-    segment_rewards: Sequence[float], endpoint_values: Sequence[float | None], terminal: Sequence[bool]
-) -> tuple[list[float], float, list[float]]:
-    """R_n = r_n + V_n (V_n = 0 for a terminal branch), G = mean(R), A_n = R_n - G."""
-    if not (len(segment_rewards) == len(endpoint_values) == len(terminal)) or not segment_rewards:
-        raise ValueError("actor_signals needs one reward, value and terminal flag per branch (at least one branch)")
-    returns = []
-    for reward, value, done in zip(segment_rewards, endpoint_values, terminal):
-        if not done and value is None:
-            raise ValueError("a non-terminal branch needs an endpoint value")
-        returns.append(float(reward) + (0.0 if done else float(value)))
-    value_target = sum(returns) / len(returns)
-    return returns, value_target, [r - value_target for r in returns]
-
-
-def critic_errors(values: Sequence[float | None], value_target: float) -> list[float]:
-    """|V_k - G| per critic sample; a parse failure (None) counts as 1, the largest error a parsed value can make
-    (values and targets both lie in [0, 1])."""
-    return [1.0 if v is None else abs(v - value_target) for v in values]
-
-
-def critic_signals(
-    values: Sequence[float | None], value_target: float, r_max: float
-) -> tuple[list[float], list[float]]:
-    """Reward -|V_k - G| / r_max per critic sample (a parse failure scores exactly like the worst possible
-    parsed answer, -1 / r_max), centred within the group."""
-    if not values:
-        raise ValueError("critic_signals needs at least one critic sample")
-    rewards = [-error / r_max for error in critic_errors(values, value_target)]
-    mean = sum(rewards) / len(rewards)
-    return rewards, [r - mean for r in rewards]
-
-
-def is_degenerate(advantages: Sequence[float]) -> bool:
-    return all(abs(a) < 1e-9 for a in advantages)
-
-
-CRITIC_SYSTEM_PROMPT = (
-    "You are the critic of an agent playing a household text game (ALFWorld). You see the task, the agent's "
-    "replies so far (its reasoning and the actions it sent) with the game's answers, and a reference solution "
-    "that the agent cannot see. Judge what the agent has achieved and understood, whether its current "
-    "hypothesis and plan still lead to the goal (check them against the reference), and what obstacles remain. "
-    "Estimate the probability that the agent, from where it stands now, completes the task within its remaining "
-    "steps. Reason briefly, then end your reply with <value>p</value>, p a number between 0 and 1."
-)
-PRIVILEGED_HEADER = "Reference solution (privileged, hidden from the agent):"
-ADMISSIBLE_SEPARATOR = "\nAdmissible actions: "  # how common.ChatProtocol appends the list to user/tool messages
-
-
-def trim_middle(text: str, max_chars: int) -> str:
-    """`text` cut to `max_chars` characters by dropping its middle: the plan at the start and the conclusion
-    at the end stay."""
-    if len(text) <= max_chars:
-        return text
-    head = max_chars // 2
-    return text[:head] + " [...] " + text[len(text) - (max_chars - head) :]
-
-
-def condensed_history(messages: Sequence[dict], step_chars: int) -> list[str]:
-    """The chat as the critic reads it: the first observation, then per turn the actor's reply (its reasoning
-    trimmed to `step_chars`, then the action it sent; a reply without a valid action is shown trimmed as
-    written) and what the game answered. Admissible-action lists are dropped."""
-    lines, turn = [], 0
-    for message in messages:
-        role, content = message["role"], message["content"]
-        if role == "user":
-            lines.append(f"Start: {content.split(ADMISSIBLE_SEPARATOR)[0].strip()}")
-        elif role == "assistant":
-            turn += 1
-            action = common.parse_action(content)
-            if action is None:
-                lines.append(f"Step {turn}: (no valid action) {trim_middle(content.strip(), step_chars)}".rstrip())
-            else:  # parse_action found exactly one tool call, at the end
-                reasoning = trim_middle(content[: content.find("<tool_call>")].strip(), step_chars)
-                lines.append(f"Step {turn}: " + (f"{reasoning}\n> {action}" if reasoning else f"> {action}"))
-        elif role == "tool":
-            status, _, observation = content.split(ADMISSIBLE_SEPARATOR)[0].partition("\nObservation: ")
-            lines[-1] += f" [{status.removeprefix('Status: ').split(':')[0]}] {observation.strip()}"
-    return lines
-
-
-def critic_prompt(
-    tokenizer,
-    task: str,
-    walkthrough: Sequence[str],
-    messages: Sequence[dict],
-    round_index: int,
-    max_episode_steps: int,
-    step_chars: int,
-) -> list[int]:
-    """Critic prompt tokens: task, steps left, the privileged walkthrough and the condensed history, rendered
-    as a plain chat (no tools)."""
-    reference = "\n".join(f"{i + 1}. {action}" for i, action in enumerate(walkthrough)) or "(none)"
-    user = (
-        f"Task: {task}\nSteps taken: {round_index} of {max_episode_steps} ({max_episode_steps - round_index} left)\n\n"
-        f"{PRIVILEGED_HEADER}\n{reference}\n\nHistory:\n" + "\n".join(condensed_history(messages, step_chars))
-    )
-    chat = [{"role": "system", "content": CRITIC_SYSTEM_PROMPT}, {"role": "user", "content": user}]
-    text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
-    return tokenizer.encode(text, add_special_tokens=False)
-
-
-class StateStore:
-    """FIFO store of macro-boundary states; the oldest fall out beyond `capacity`."""
-
-    def __init__(self, capacity: int):
-        self.states: deque[common.SavedState] = deque(maxlen=capacity)
-
-    def __len__(self) -> int:
-        return len(self.states)
-
-    def add(self, state: common.SavedState) -> None:
-        self.states.append(state)
-
-    def take(self, n: int, rng: random.Random) -> list[common.SavedState]:
-        """Up to n states, uniformly without replacement; taken states leave the store."""
-        picked = set(rng.sample(range(len(self.states)), min(n, len(self.states))))
-        taken = [s for i, s in enumerate(self.states) if i in picked]
-        kept = [s for i, s in enumerate(self.states) if i not in picked]
-        self.states.clear()
-        self.states.extend(kept)
-        return taken
-
-
-def policy_loss(
-    logprobs: torch.Tensor,
-    batch: dict[str, torch.Tensor],
-    total_tokens: float,
-    *,
-    clip: tuple[float, float] | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """train_step's loss, token mean over the whole update. ratio = exp(logp - old_logp): clip=None is the
-    importance-sampling policy gradient -ratio * A (Tinker style); clip=(eps_low, eps_high) is PPO's
-    -min(ratio * A, clip(ratio) * A)."""
-    mask, advantages = batch["mask"], batch["advantages"]
-    ratio = torch.exp(logprobs - batch["old_logprobs"])
-    if clip is None:
-        per_token, is_clipped = -ratio * advantages, torch.zeros_like(mask)
-    else:
-        clipped_ratio = ratio.clamp(1.0 - clip[0], 1.0 + clip[1])
-        per_token = -torch.minimum(ratio * advantages, clipped_ratio * advantages)
-        is_clipped = (clipped_ratio * advantages < ratio * advantages).float()
-    return (per_token * mask).sum() / total_tokens, {"clip_frac": (is_clipped * mask).sum().item()}
-
-
-def actor_datum(traj: common.Trajectory, advantage: float) -> Datum:
-    """Saved prefix + this segment; only the tokens generated in this segment are trained."""
-    tokens, old_logprobs, step_ids = traj.sequence()
-    mask = [1.0 if k >= 0 else 0.0 for k in step_ids]
-    return Datum(tokens, old_logprobs, [advantage * m for m in mask], mask)
-
-
-def critic_datum(prompt: list[int], reply: common.Completion, advantage: float) -> Datum:
-    """Critic prompt as context, the whole reply trained."""
-    n = len(reply.tokens)
-    return Datum(
-        prompt + reply.tokens,
-        [0.0] * len(prompt) + reply.logprobs,
-        [0.0] * len(prompt) + [advantage] * n,
-        [0.0] * len(prompt) + [1.0] * n,
-    )
-
-
-def validate_args(args: Args) -> None:
-    validate_model_args(args)
-    checks = [
-        (args.macro_rounds >= 1, f"--macro-rounds must be >= 1, got {args.macro_rounds}"),
-        (
-            args.max_episode_steps >= 1 and (args.eval_only or args.max_episode_steps % max(1, args.macro_rounds) == 0),
-            f"--max-episode-steps ({args.max_episode_steps}) must be a positive multiple of --macro-rounds ({args.macro_rounds})",
-        ),
-        (args.branches >= 2, f"--branches must be >= 2 (advantages compare branches), got {args.branches}"),
-        (
-            args.critic_samples >= 2,
-            f"--critic-samples must be >= 2 (rewards are centred within them), got {args.critic_samples}",
-        ),
-        (args.endpoint_samples >= 1, f"--endpoint-samples must be >= 1, got {args.endpoint_samples}"),
-        (args.states_per_batch >= 1, f"--states-per-batch must be >= 1, got {args.states_per_batch}"),
-        (args.warmup_updates >= 0, f"--warmup-updates must be >= 0, got {args.warmup_updates}"),
-        (args.warmup_games_per_batch >= 1, f"--warmup-games-per-batch must be >= 1, got {args.warmup_games_per_batch}"),
-        (args.td_updates >= 0, f"--td-updates must be >= 0, got {args.td_updates}"),
-        (args.warmup_updates + args.td_updates >= 1, "--warmup-updates + --td-updates must be >= 1"),
-        (
-            args.state_store_capacity >= args.states_per_batch,
-            f"--state-store-capacity ({args.state_store_capacity}) must be >= --states-per-batch ({args.states_per_batch})",
-        ),
-        (args.r_max > 0, f"--r-max must be > 0, got {args.r_max}"),
-        (
-            args.ppo_clip is None or (0 < args.ppo_clip[0] < 1 and args.ppo_clip[1] > 0),
-            f"--ppo-clip needs 0 < eps_low < 1 and eps_high > 0, got {args.ppo_clip}",
-        ),
-        (args.prefix_is_max_weight >= 1, f"--prefix-is-max-weight must be >= 1, got {args.prefix_is_max_weight}"),
-        (args.max_turn_tokens >= 1, f"--max-turn-tokens must be >= 1, got {args.max_turn_tokens}"),
-        (args.max_critic_tokens >= 1, f"--max-critic-tokens must be >= 1, got {args.max_critic_tokens}"),
-        (args.critic_step_chars >= 1, f"--critic-step-chars must be >= 1, got {args.critic_step_chars}"),
-        (
-            args.max_critic_tokens < args.max_trajectory_tokens,
-            f"--max-critic-tokens ({args.max_critic_tokens}) must be below --max-trajectory-tokens "
-            f"({args.max_trajectory_tokens}): critic prompt and reply share that budget",
-        ),
-        (
-            args.max_trajectory_tokens > args.max_turn_tokens,
-            f"--max-trajectory-tokens ({args.max_trajectory_tokens}) must exceed --max-turn-tokens ({args.max_turn_tokens})",
-        ),
-    ]
-    for ok, message in checks:
-        if not ok:
-            raise ValueError(message)
-
-
-# =============================================================================================
-# Run state shared by the two phases
-# =============================================================================================
-@dataclass
-class Runtime:
-    args: Args
-    accelerator: object
-    tokenizer: object
-    model: object
-    optimizer: object
-    protocol: common.ChatProtocol
-    sample_fn: common.SampleFn
-    data_root: str
-    games: list[str]  # this process's shard of the training games, shuffled with the seed
-    store: StateStore
-    rng: random.Random  # state-store sampling (saved in checkpoints)
-    game_cursor: int = 0
-    on_turn: Callable[[int, int], None] | None = None  # rollout progress (the logger's turn bar)
-    bad_games: int = 0  # games skipped since the last metrics row (rollout/bad_games_skipped)
-
-    def fresh_state(self) -> common.SavedState:
-        """The next training game from its start (games cycle in their shuffled order). A game that passed the
-        start-up parse but does not load is skipped, named on stderr and counted: a bad game never ends the run."""
-        for _ in self.games:
-            game = self.games[self.game_cursor % len(self.games)]
-            self.game_cursor += 1
-            try:
-                return common.fresh_state(game, self.protocol, seed=self.game_cursor)
-            except common.BadGameError as error:
-                self.bad_games += 1
-                print(f"[games] WARNING: skipped a game that does not load: {error}", file=sys.stderr)
-        raise RuntimeError(f"none of this process's {len(self.games)} training games loads")
-
-    def critic_prompt(self, game_file: str, task: str, messages, round_index: int) -> list[int] | None:
-        """The critic prompt of a state; None when it leaves no room for a reply in --max-trajectory-tokens
-        (never sent; the caller counts it)."""
-        args = self.args
-        walkthrough = common.load_game(game_file).walkthrough
-        prompt = critic_prompt(
-            self.tokenizer, task, walkthrough, messages, round_index, args.max_episode_steps, args.critic_step_chars
-        )
-        return prompt if len(prompt) <= args.max_trajectory_tokens - args.max_critic_tokens else None
-
-    def train(self, datums: list[Datum]) -> dict:
-        drift = refresh_old_logprobs(self.model, self.accelerator, datums, self.args, self.tokenizer.pad_token_id)
-        return drift | train_step(
-            self.model,
-            self.optimizer,
-            self.accelerator,
-            datums,
-            functools.partial(policy_loss, clip=self.args.ppo_clip),
-            temperature=self.args.temperature,
-            pad_id=self.tokenizer.pad_token_id,
-            micro_batch_tokens=self.args.micro_batch_tokens,
-            max_grad_norm=self.args.max_grad_norm,
-        )
-
-
-def rollout_metrics(trajectories: Sequence[common.Trajectory]) -> dict:
-    steps = [step for traj in trajectories for step in traj.steps]
-    if not trajectories:
-        return {}
-    return {
-        "rollout/valid_format_rate": sum(s.valid for s in steps) / max(1, len(steps)),
-        "rollout/admissible_rate": sum(s.admissible for s in steps) / max(1, len(steps)),
-        "rollout/steps": len(steps) / len(trajectories),
-        "rollout/success_rate": sum(t.won for t in trajectories) / len(trajectories),
-        "rollout/generated_tokens": float(sum(len(s.completion_tokens) for s in steps)),
-    }
-
-
-def critic_metrics(values_per_state: Sequence[Sequence[float | None]], targets: Sequence[float], corr_key: str) -> dict:
-    """The critic's samples on a batch of states (one target each): parse failure rate, mean |V - G| with a
-    failure counted as 1 (abs_error_mean) and over parsed samples only, and under `corr_key` the correlation of
-    each state's mean parsed estimate with its target."""
-    errors = [e for values, g in zip(values_per_state, targets) for e in critic_errors(values, g)]
-    if not errors:
-        return {}
-    parsed = [(v, g) for values, g in zip(values_per_state, targets) for v in values if v is not None]
-    metrics = {
-        "critic/parse_failure_rate": 1 - len(parsed) / len(errors),
-        "critic/abs_error_mean": statistics.fmean(errors),
-    }
-    if parsed:
-        metrics["critic/abs_error_parsed_mean"] = statistics.fmean(abs(v - g) for v, g in parsed)
-    estimates = [
-        (statistics.fmean(v for v in values if v is not None), g)
-        for values, g in zip(values_per_state, targets)
-        if any(v is not None for v in values)
-    ]
-    if len({v for v, _ in estimates}) > 1 and len({g for _, g in estimates}) > 1:
-        metrics[corr_key] = statistics.correlation([v for v, _ in estimates], [g for _, g in estimates])
-    return metrics
-
-
-def sample_row(traj: common.Trajectory, **extra) -> dict:
-    """A readable trajectory segment for samples.jsonl."""
-    segment = traj.messages[len(traj.start.messages) :]
-    return {
-        "game": traj.start.game_file,
-        "round_index": traj.start.round_index,
-        "task": traj.start.task,
-        "stop_reason": traj.stop_reason,
-        "messages": segment,
-        **extra,
-    }
-
-
-# =============================================================================================
-# Phase 1: value warm-up (critic only, Monte-Carlo targets)
-# =============================================================================================
-def warmup_update(rt: Runtime) -> tuple[dict, list[dict]]:
-    args, t0 = rt.args, time.time()
-    # ---- Phase 1, step 1: fresh games, N full trajectories each (one macro step = the whole episode)
-    starts = [rt.fresh_state() for _ in range(args.warmup_games_per_batch)]
-    groups = common.rollout(
-        starts,
-        args.branches,
-        rt.sample_fn,
-        rt.protocol,
-        horizon=args.max_episode_steps,
-        max_episode_steps=args.max_episode_steps,
-        max_turn_tokens=args.max_turn_tokens,
-        max_trajectory_tokens=args.max_trajectory_tokens,
-        on_turn=rt.on_turn,
-    )
-    trajectories = [traj for group in groups for traj in group]
-    t_rollout = time.time()
-
-    # ---- Phase 1, step 2: the state at every H-turn boundary before the end (the start included), its target =
-    # the trajectory's return (0/1 won); a state whose critic prompt is over budget is skipped
-    boundary_states, too_long = [], 0
-    for traj in trajectories:
-        for round_index in range(traj.start.round_index, traj.round_index, args.macro_rounds):
-            messages = traj.messages[: len(traj.start.messages) + 2 * (round_index - traj.start.round_index)]
-            prompt = rt.critic_prompt(traj.start.game_file, traj.start.task, messages, round_index)
-            if prompt is None:
-                too_long += 1
-            else:
-                boundary_states.append((traj, prompt, 1.0 if traj.won else 0.0))
-    targets = [target for _, _, target in boundary_states]
-
-    # ---- Phase 1, step 3: K critic samples per boundary state, reward -|V - G| / r_max centred within the K
-    K = args.critic_samples
-    batch = [prompt for _, prompt, _ in boundary_states for _ in range(K)]
-    replies = rt.sample_fn(batch, args.max_critic_tokens) if batch else []
-    datums, values_per_state, degenerate = [], [], 0
-    for i, (_, prompt, target) in enumerate(boundary_states):
-        group_replies = replies[i * K : (i + 1) * K]
-        values = [parse_value(r.text) for r in group_replies]
-        values_per_state.append(values)
-        _, advantages = critic_signals(values, target, args.r_max)
-        if is_degenerate(advantages):
-            degenerate += 1
-            continue
-        datums += [critic_datum(prompt, reply, a) for reply, a in zip(group_replies, advantages)]
-    t_critic = time.time()
-
-    # ---- Phase 1, step 4: update the critic only
-    metrics = rt.train(datums)
-    metrics.update(rollout_metrics(trajectories))
-    metrics.update(critic_metrics(values_per_state, targets, "critic/value_corr"))
-    metrics.update(
-        {
-            "warmup/success_rate": sum(t.won for t in trajectories) / max(1, len(trajectories)),
-            "warmup/boundary_states": float(len(boundary_states) + too_long),
-            "critic/prompt_too_long_rate": too_long / max(1, len(boundary_states) + too_long),
-            "critic/value_target_mean": statistics.fmean(targets) if targets else 0.0,
-            "critic/value_target_std": statistics.pstdev(targets) if targets else 0.0,
-            "critic/degenerate_group_rate": degenerate / max(1, len(boundary_states)),
-            "time/rollout": t_rollout - t0,
-            "time/critic": t_critic - t_rollout,
-            "time/update": time.time() - t_critic,
-        }
-    )
-    samples = []
-    if boundary_states:
-        samples.append(sample_row(boundary_states[0][0], critic_reply=replies[0].text, value_target=targets[0]))
-    return metrics, samples
-
-
-# =============================================================================================
-# Phase 2: TD loop (actor + critic)
-# =============================================================================================
-def has_room(traj: common.Trajectory, args: Args) -> bool:
-    """Another turn fits in the episode's token budget."""
-    return len(traj.tokens) + args.max_turn_tokens <= args.max_trajectory_tokens
-
-
-def prefix_weights(rt: Runtime, starts: Sequence[common.SavedState]) -> list[float | None]:
-    """exp(log p_now(prefix) - log p_old(prefix)) over the prefix's generated tokens, clipped to
-    [1 / max, max]; None for a state without generated tokens (a fresh game: nothing to correct)."""
-    with_prefix = [i for i, s in enumerate(starts) if any(k >= 0 for k in s.prefix_step_ids)]
-    current = sequence_logprobs(
-        rt.model,
-        rt.accelerator,
-        [starts[i].prefix_tokens for i in with_prefix],
-        rt.args.temperature,
-        rt.tokenizer.pad_token_id,
-        rt.args.micro_batch_tokens,
-    )
-    weights: list[float | None] = [None] * len(starts)
-    for i, logprobs in zip(with_prefix, current):
-        state = starts[i]
-        generated = zip(logprobs, state.prefix_logprobs, state.prefix_step_ids)
-        log_ratio = sum(now - old for now, old, k in generated if k >= 0)
-        bound = math.log(rt.args.prefix_is_max_weight)
-        weights[i] = math.exp(min(max(log_ratio, -bound), bound))
-    return weights
-
-
-def td_update(rt: Runtime) -> tuple[dict, list[dict]]:
-    args, t0 = rt.args, time.time()
-    H, N, K, E = args.macro_rounds, args.branches, args.critic_samples, args.endpoint_samples
-    # ---- Phase 2, step 1: start states, uniformly from the store; fresh games when it runs short
-    starts = rt.store.take(args.states_per_batch, rt.rng)
-    fresh = args.states_per_batch - len(starts)
-    starts += [rt.fresh_state() for _ in range(fresh)]
-    macro_index_mean = statistics.fmean(s.round_index / H for s in starts)
-
-    # ---- Phase 2, steps 2-3: restore each state (replay, verified) and run N branches for H turns
-    groups = common.rollout(
-        starts,
-        N,
-        rt.sample_fn,
-        rt.protocol,
-        horizon=H,
-        max_episode_steps=args.max_episode_steps,
-        max_turn_tokens=args.max_turn_tokens,
-        max_trajectory_tokens=args.max_trajectory_tokens,
-        on_turn=rt.on_turn,
-    )
-    restore_failures = sum(1 for group in groups if not group)  # dropped, never fatal
-    live = [(start, group) for start, group in zip(starts, groups) if group]
-    trajectories = [traj for _, group in live for traj in group]
-    t_rollout = time.time()
-
-    # ---- Phase 2, step 4: value every branch that stopped at the macro boundary with the critic (also one with no
-    # token room for another turn: truncated, not ended). Terminal branches (won, at T, or out of tokens mid-segment)
-    # are worth 0
-    endpoints = [traj for traj in trajectories if traj.stop_reason == common.STOP_HORIZON]
-    endpoint_prompts = [rt.critic_prompt(t.start.game_file, t.start.task, t.messages, t.round_index) for t in endpoints]
-    start_prompts = [rt.critic_prompt(s.game_file, s.task, s.messages, s.round_index) for s, _ in live]
-    critic_batch = [p for p in endpoint_prompts if p is not None for _ in range(E)]
-    critic_batch += [p for p in start_prompts if p is not None for _ in range(K)]
-    replies = iter(rt.sample_fn(critic_batch, args.max_critic_tokens) if critic_batch else [])  # one batched call
-    endpoint_value, endpoint_failures = {}, 0
-    for traj, prompt in zip(endpoints, endpoint_prompts):
-        values = [parse_value(next(replies).text) for _ in range(E)] if prompt is not None else []
-        parsed = [v for v in values if v is not None]
-        endpoint_failures += len(values) - len(parsed)
-        endpoint_value[id(traj)] = statistics.fmean(parsed) if parsed else 0.0  # all failed or not sent: 0
-    start_replies = [[next(replies) for _ in range(K)] if p is not None else [] for p in start_prompts]
-
-    # ---- Phase 2, step 5: signals. Actor: A_n = R_n - mean(R). Critic: K samples on the start state vs G
-    weights = prefix_weights(rt, [s for s, _ in live]) if args.prefix_is_correction else [None] * len(live)
-    datums, samples = [], []
-    critic_values, critic_targets, value_targets, zero_reward_gaps = [], [], [], []
-    degenerate_actor = degenerate_critic = 0
-    for g, ((start, group), weight, group_replies) in enumerate(zip(live, weights, start_replies)):
-        terminal = [id(traj) not in endpoint_value for traj in group]
-        values = [endpoint_value.get(id(traj)) for traj in group]
-        segment_rewards = [traj.reward for traj in group]
-        returns, value_target, advantages = actor_signals(segment_rewards, values, terminal)
-        value_targets.append(value_target)
-        zero_reward_values = [v for v, r, done in zip(values, segment_rewards, terminal) if not done and r == 0]
-        zero_reward_gaps.append(statistics.pstdev(zero_reward_values) if len(zero_reward_values) >= 2 else 0.0)
-
-        # ---- Phase 2, step 6 (datums): actor = saved prefix + segment, critic = critic prompt + reply
-        if is_degenerate(advantages):
-            degenerate_actor += 1
-        else:
-            scale = 1.0 if weight is None else weight
-            datums += [actor_datum(traj, a * scale) for traj, a in zip(group, advantages)]
-        if group_replies:  # not sent when the start state's critic prompt is over budget
-            start_values = [parse_value(r.text) for r in group_replies]
-            critic_values.append(start_values)
-            critic_targets.append(value_target)
-            _, critic_advantages = critic_signals(start_values, value_target, args.r_max)
-            if is_degenerate(critic_advantages):
-                degenerate_critic += 1
-            else:
-                datums += [critic_datum(start_prompts[g], r, a) for r, a in zip(group_replies, critic_advantages)]
-        if g == 0:
-            samples.append(
-                sample_row(
-                    group[0],
-                    segment_reward=segment_rewards[0],
-                    endpoint_value=values[0],
-                    advantage=advantages[0],
-                    critic_reply=group_replies[0].text if group_replies else None,
-                    value_target=value_target,
-                )
-            )
-    t_critic = time.time()
-
-    # ---- Phase 2, step 6: one update, actor and critic datums together
-    metrics = rt.train(datums)
-    t_update = time.time()
-
-    # ---- Phase 2, step 7: endpoints with room for another turn (and a critic prompt within budget, so they can be
-    # valued again) go back into the store
-    stored = [t for t, p in zip(endpoints, endpoint_prompts) if p is not None and has_room(t, args)]
-    for traj in stored:
-        rt.store.add(traj.saved_state())
-
-    metrics.update(rollout_metrics(trajectories))
-    metrics.update(critic_metrics(critic_values, critic_targets, "critic/td_target_corr"))
-    parsed_weights = [w for w in weights if w is not None]
-    if parsed_weights:
-        metrics["td/prefix_is_weight_mean"] = statistics.fmean(parsed_weights)
-        metrics["td/prefix_is_weight_max"] = max(parsed_weights)
-    if endpoints:
-        metrics["critic/endpoint_value_mean"] = statistics.fmean(endpoint_value.values())
-    critic_prompts = endpoint_prompts + start_prompts
-    metrics.update(
-        {
-            "critic/endpoint_parse_failures": float(endpoint_failures),
-            "critic/prompt_too_long_rate": sum(p is None for p in critic_prompts) / max(1, len(critic_prompts)),
-            "critic/value_target_mean": statistics.fmean(value_targets) if value_targets else 0.0,
-            "critic/value_target_std": statistics.pstdev(value_targets) if value_targets else 0.0,
-            "critic/degenerate_group_rate": degenerate_critic / max(1, len(critic_values)),
-            "actor/segment_reward_mean": statistics.fmean(t.reward for t in trajectories) if trajectories else 0.0,
-            "actor/degenerate_group_rate": degenerate_actor / max(1, len(live)),
-            "actor/macro_boundary_rate": len(endpoints) / max(1, len(trajectories)),
-            "actor/value_gap_zero_reward": statistics.fmean(zero_reward_gaps) if zero_reward_gaps else 0.0,
-            "td/store_size": float(len(rt.store)),
-            "td/fresh_states": float(fresh),
-            "td/new_endpoints": float(len(stored)),
-            "td/macro_index_mean": macro_index_mean,
-            "td/restore_failures": float(restore_failures),
-            "time/rollout": t_rollout - t0,
-            "time/critic": t_critic - t_rollout,
-            "time/update": t_update - t_critic,
-        }
-    )
-    return metrics, samples
-
-
-# =============================================================================================
-# Main: set-up, resume, the two phases, checkpoints, evaluation
-# =============================================================================================
-SUM_KEYS = (
-    "rollout/bad_games_skipped",
-    "td/store_size",
-    "td/fresh_states",
-    "td/new_endpoints",
-    "td/restore_failures",
-    "critic/endpoint_parse_failures",
-    "warmup/boundary_states",
-    "rollout/generated_tokens",
-)
-RESUME_MAY_CHANGE = ("td_updates",)  # flags that only extend a run
-POSTFIX_KEYS = ("critic/abs_error_mean", "critic/value_corr", "rollout/success_rate", "td/fresh_states", "train/loss")
-
-
-def main(args: Args) -> Path:
-    """Train (or evaluate, with --eval-only); returns the run directory."""
-    accelerator = make_accelerator()
-    try:
-        args, checkpoint, trainer_state = start(args, ALGORITHM, accelerator, validate_args, RESUME_MAY_CHANGE)
-        return _run(args, accelerator, checkpoint, trainer_state)
-    finally:
-        close_distributed()
-
-
-def make_runtime(args: Args, accelerator) -> Runtime:
-    """This process's shard of the training games (checked before the model loads), model, optimizer, chat
-    protocol, sampler and an empty state store."""
-    data_root, games = training_games(args, accelerator)
-    tokenizer, model, optimizer = load_model(args, accelerator)
-    return Runtime(
-        args,
-        accelerator,
-        tokenizer,
-        model,
-        optimizer,
-        common.ChatProtocol(tokenizer),
-        make_sampler(model, tokenizer, accelerator, args),
-        data_root,
-        games,
-        StateStore(args.state_store_capacity),
-        random.Random(args.seed + accelerator.process_index),
-    )
-
-
-def _run(args: Args, accelerator, checkpoint: Path | None, trainer_state: dict | None) -> Path:
-    seed_everything(args.seed + accelerator.process_index)
-    with starting():  # endpoint checks
-        rt = make_runtime(args, accelerator)
-        greedy_fn = make_sampler(rt.model, rt.tokenizer, accelerator, args, greedy=True)
-    eval_kwargs = dict(
-        data_root=rt.data_root,
-        task_types=args.task_types,
-        eval_games=args.eval_games,
-        max_episode_steps=args.max_episode_steps,
-        max_turn_tokens=args.max_turn_tokens,
-        max_trajectory_tokens=args.max_trajectory_tokens,
-    )
-    if args.eval_only:
-        return evaluate_checkpoint(
-            args, checkpoint, trainer_state, rt.model, greedy_fn, rt.protocol, accelerator, eval_kwargs
-        )
-
-    total_updates = args.warmup_updates + args.td_updates
-    done = trainer_state["update"] if checkpoint is not None else 0
-    run_dir = checkpoint.parent.parent if checkpoint is not None else new_run_dir(args)
-    logger = RunLogger(args, run_dir, accelerator, total_updates, done, POSTFIX_KEYS)
-    rt.on_turn = logger.on_turn
-    if checkpoint is not None:
-        rank_state = trainer_state["rank_states"][accelerator.process_index]
-        rt.game_cursor = rank_state["game_cursor"]
-        rt.rng.setstate((rank_state["rng"][0], tuple(rank_state["rng"][1]), rank_state["rng"][2]))
-        for state in rank_state["store"]:
-            rt.store.add(common.SavedState.from_json(state))
-        load_checkpoint(
-            checkpoint, rt.model, rt.optimizer, accelerator
-        )  # last: the RNG states as they were at the save
-        if accelerator.is_main_process:
-            print(f"resumed {checkpoint} (update {done} of {total_updates})", file=sys.stderr)
-
-    for update in range(done + 1, total_updates + 1):
-        phase = "warmup" if update <= args.warmup_updates else "td"
-        metrics, samples = warmup_update(rt) if phase == "warmup" else td_update(rt)
-        metrics["rollout/bad_games_skipped"], rt.bad_games = float(rt.bad_games), 0
-        metrics = reduce_metrics(accelerator, metrics, SUM_KEYS)
-        last = update == total_updates
-        if args.eval_every and args.eval_games and (last or update % args.eval_every == 0):
-            metrics.update(evaluate(greedy_fn, rt.protocol, accelerator, **eval_kwargs, on_turn=logger.on_turn))
-        logger.log(update, {"phase": phase, **metrics}, samples)
-        if last or (args.save_every and update % args.save_every == 0):
-            rank_state = {
-                "game_cursor": rt.game_cursor,
-                "rng": list(rt.rng.getstate()),
-                "store": [s.to_json() for s in rt.store.states],
-            }
-            save_checkpoint(
-                run_dir, update, rt.model, rt.optimizer, accelerator, ALGORITHM, {"phase": phase}, rank_state
-            )
-    logger.close()
-    return run_dir
 
 
 if __name__ == "__main__":

@@ -272,7 +272,7 @@ def test_actor_loss_mask_covers_only_the_segments_generated_tokens(runtime):
     assert any(k >= 0 for k in saved.prefix_step_ids)  # the prefix holds generated tokens of turns 0-1
     second = segment(saved)
     traj = second[0]
-    datum = tempo.actor_datum(traj, 0.5)
+    (datum,) = tempo.trajectory_datums([traj], [[0.5] * len(traj.steps)])
     expected = [0.0] * len(datum.tokens)
     for step in traj.steps:
         expected[step.prompt_length : step.prompt_length + len(step.completion_tokens)] = [1.0] * len(

@@ -190,6 +190,19 @@ def killed_job(games_root, tiny_model_dir, tmp_path_factory, judge):
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
+def test_a_count_metric_says_so_and_an_int_metric_is_refused(name):
+    """Counts are summed over the processes, everything else averaged (the 2-process runs below check the sums);
+    a bare int could be either, so it fails loudly instead of being averaged."""
+    module = SCRIPTS[name]
+    accelerator = module.make_accelerator()
+    merged = module.reduce_metrics(accelerator, {"x/requests": module.Count(3), "x/rate": 0.5})
+    assert merged == {"x/requests": 3.0, "x/rate": 0.5}
+    for value in (3, True):
+        with pytest.raises(TypeError, match="metric x/requests is an int: make it Count"):
+            module.reduce_metrics(accelerator, {"x/requests": value})
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
 def test_killed_job_resumes_exactly(killed_job, name):
     straight, resumed, killed_stderr = killed_job(name)
     n = total_updates(name)
