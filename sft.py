@@ -56,6 +56,8 @@ class Args:
     """add TEMPO critic prompts at macro boundaries answered with <value>MC return</value>"""
     macro_rounds: int = 10
     """macro-boundary spacing of the critic examples (TEMPO's --macro-rounds)"""
+    critic_step_chars: int = 1000
+    """characters per step of the critic's condensed history (TEMPO's --critic-step-chars)"""
     show_admissible: bool = True
     """list admissible actions in the prompts (as the RL scripts do)"""
     lora_rank: int = 0
@@ -152,7 +154,9 @@ def critic_examples(traj: common.Trajectory, tokenizer, args: Args) -> list[Exam
     examples, messages = [], list(traj.messages)
     for round_index in range(0, len(traj.steps), args.macro_rounds):
         history = messages[: 2 + 2 * round_index]  # system + first observation, then (assistant, tool) per turn
-        prompt = tempo.critic_prompt(tokenizer, traj.start.task, walkthrough, history, round_index, args.max_turns)
+        prompt = tempo.critic_prompt(
+            tokenizer, traj.start.task, walkthrough, history, round_index, args.max_turns, args.critic_step_chars
+        )
         reply = tokenizer.encode(f"<value>{float(traj.won):.1f}</value>", add_special_tokens=False)
         reply.append(tokenizer.eos_token_id)
         examples.append(Example(prompt + reply, [0.0] * len(prompt) + [1.0] * len(reply)))
