@@ -247,6 +247,9 @@ def _parse_query(expression: str) -> textworld.logic.Rule:
     return textworld.logic.Rule.parse_conjunctive_query(expression)
 
 
+PLAN_CACHE_SIZE = 4096  # planner results kept per parsed game (AlfredEnv.expert_plan)
+
+
 class _Game:
     """Everything about one game file that does not change while playing it (shared by branches)."""
 
@@ -484,6 +487,8 @@ class AlfredEnv:
                 self.game.plans[key] = [] if self.turn.won else self._state.replan(self.game.entity_infos)
             finally:
                 sys.argv = argv
+            if len(self.game.plans) > PLAN_CACHE_SIZE:  # oldest first: a long oracle-labelled run visits many states
+                del self.game.plans[next(iter(self.game.plans))]
         return list(self.game.plans[key])
 
     def _derive(self, start: str, mapping: dict) -> str:
@@ -676,6 +681,12 @@ ALFWORLD_TOOL = {
 }
 STATUS_EXECUTED, STATUS_NOT_ADMISSIBLE, STATUS_INVALID = "executed", "not admissible", "invalid format"
 STATUS_WON, STATUS_OVER = "won", "episode over"
+
+
+def tool_call(action: str) -> str:
+    """The reply that calls alfworld_step with `action` in Qwen2.5's tool-call format (what parse_action reads):
+    scripted experts and tests write replies with it."""
+    return '<tool_call>\n{"name": "alfworld_step", "arguments": ' + json.dumps({"action": action}) + "}\n</tool_call>"
 
 
 def parse_action(text: str) -> str | None:

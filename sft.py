@@ -85,11 +85,6 @@ class Args:
 # =============================================================================================
 # Data: expert episodes rendered through the RL scripts' own rollout and chat protocol
 # =============================================================================================
-def tool_call(action: str) -> str:
-    """The reply that calls alfworld_step with `action` (Qwen2.5's tool-call format; common.parse_action reads it)."""
-    return '<tool_call>\n{"name": "alfworld_step", "arguments": ' + json.dumps({"action": action}) + "}\n</tool_call>"
-
-
 class NoisyExpert:
     """A scripted common.SampleFn for ONE episode: the planner's next action from the current state, or with
     probability eps a random admissible one. It mirrors the episode on its own env to know the state."""
@@ -107,7 +102,7 @@ class NoisyExpert:
         action = self.rng.choice(self.env.turn.admissible) if random_step else plan[0]
         self.env.step(action)
         self.expert_steps.append(not random_step)
-        text = tool_call(action)
+        text = common.tool_call(action)
         tokens = self.protocol.encode(text) + [self.protocol.eos_token_id]
         return [common.Completion(tokens, [0.0] * len(tokens), text)]
 

@@ -201,7 +201,7 @@ def test_parse_judgments():
 
 def test_label_prompt_shows_the_room_the_whole_replies_and_the_outcome():
     room = "You are in the middle of a room. You see a fridge 1 and a countertop 1.\n\nYour task is to: put a mug in fridge."
-    reply = "I should look in the fridge first.\n" + tool_call("go to fridge 1")
+    reply = "I should look in the fridge first.\n" + common.tool_call("go to fridge 1")
     messages = adca_grpo.build_label_messages(room, [(reply, "You arrive."), ("look", "x" * 5000)], 1.0, 2000)
     system, user = messages[0]["content"], messages[1]["content"]
     assert messages[0]["role"] == "system" and "own merit" in system and "never used" in system
@@ -366,17 +366,13 @@ def test_api_labeler_needs_the_key_variable(monkeypatch):
 # =============================================================================================
 # labelling real trajectories
 # =============================================================================================
-def tool_call(action):
-    return '<tool_call>\n{"name": "alfworld_step", "arguments": ' + json.dumps({"action": action}) + "}\n</tool_call>"
-
-
 @pytest.fixture(scope="module")
 def look_trajectories(all_games, protocol):
     """Four real 2-step trajectories (2 games x 2 branches) of an agent that only looks around."""
 
     def look(prompts, max_new_tokens):
-        tokens = protocol.encode(tool_call("look")) + [protocol.eos_token_id]
-        return [common.Completion(tokens, [0.0] * len(tokens), tool_call("look")) for _ in prompts]
+        tokens = protocol.encode(common.tool_call("look")) + [protocol.eos_token_id]
+        return [common.Completion(tokens, [0.0] * len(tokens), common.tool_call("look")) for _ in prompts]
 
     starts = [common.fresh_state(game, protocol) for game in all_games[:2]]
     groups = common.rollout(
@@ -421,7 +417,7 @@ def test_label_trajectories_through_the_api(api_key, look_trajectories, tmp_path
     assert len(records) == 3 and {r["update"] for r in records} == {3} and records[0]["model"] == "judge"
     assert {"trajectory_id", "messages", "reply", "flags", "latency_s", "error"} <= set(records[0])
     user = records[0]["messages"][1]["content"]
-    assert records[0]["flags"] == [True, False] and f"Step 2\nAgent: {tool_call('look')}" in user
+    assert records[0]["flags"] == [True, False] and f"Step 2\nAgent: {common.tool_call('look')}" in user
     assert room_of[0] in user and "OUTCOME: +1.0000 (positive)" in user
     assert "OUTCOME: -1.0000 (negative)" in records[1]["messages"][1]["content"]
     assert records[1]["reply"] is None and "InternalServerError" in records[1]["error"]
@@ -808,11 +804,11 @@ def scripted_trajectory(game_file, protocol, replies):
 def test_oracle_labels_good_exactly_when_a_step_shortens_the_optimal_plan(all_games, protocol):
     game_file = next(g for g in all_games if "look_at_obj" in g and "/train/" in g)
     walkthrough = common.load_walkthrough(game_file)
-    expert = scripted_trajectory(game_file, protocol, [tool_call(a) for a in walkthrough])
+    expert = scripted_trajectory(game_file, protocol, [common.tool_call(a) for a in walkthrough])
     assert expert.won and adca_grpo.oracle_step_flags(expert) == [True] * len(walkthrough)
 
-    replies = [tool_call("look"), "no tool call", tool_call(walkthrough[0]), tool_call("fly away")]
-    replies += [tool_call(a) for a in walkthrough[1:]]
+    replies = [common.tool_call("look"), "no tool call", common.tool_call(walkthrough[0]), common.tool_call("fly away")]
+    replies += [common.tool_call(a) for a in walkthrough[1:]]
     detours = scripted_trajectory(game_file, protocol, replies)
     assert detours.won
     assert adca_grpo.oracle_step_flags(detours) == [False, False, True, False] + [True] * (len(walkthrough) - 1)
