@@ -30,6 +30,7 @@ import shutil
 import statistics
 import sys
 import time
+import typing
 import zipfile
 from collections import defaultdict
 from dataclasses import dataclass
@@ -1484,42 +1485,27 @@ def cli(args_type, main) -> None:
 
 def validate_model_args(args) -> None:
     """Fail at start, naming the flag, on any shared setting that cannot work."""
-    checks = [
+    check_choices(args)
+    check_bounds(args, ">= 1", "lora_rank", "micro_batch_tokens", "sample_batch_size", "sampler_concurrency")
+    check_bounds(args, "> 0", "lora_alpha", "learning_rate", "max_grad_norm", "temperature", "sampler_timeout_s")
+    check_bounds(args, "> 0", "sampler_deadline_s")
+    check_bounds(args, ">= 0", "weight_decay", "seed", "save_every", "eval_every", "eval_games", "threads")
+    check(
         (bool(args.model), "--model must not be empty"),
-        (args.lora_rank >= 1, f"--lora-rank must be >= 1, got {args.lora_rank}"),
-        (args.lora_alpha > 0, f"--lora-alpha must be > 0, got {args.lora_alpha}"),
         (len(args.lora_targets) >= 1 and all(args.lora_targets), "--lora-targets must name at least one module"),
-        (args.learning_rate > 0, f"--learning-rate must be > 0, got {args.learning_rate}"),
         (all(0 <= b < 1 for b in args.adam_betas), f"--adam-betas must lie in [0, 1), got {args.adam_betas}"),
-        (args.weight_decay >= 0, f"--weight-decay must be >= 0, got {args.weight_decay}"),
-        (args.max_grad_norm > 0, f"--max-grad-norm must be > 0, got {args.max_grad_norm}"),
-        (args.temperature > 0, f"--temperature must be > 0 (logprobs are taken at it), got {args.temperature}"),
         (0 < args.top_p <= 1, f"--top-p must lie in (0, 1], got {args.top_p}"),
-        (args.micro_batch_tokens >= 1, f"--micro-batch-tokens must be >= 1, got {args.micro_batch_tokens}"),
-        (args.sample_batch_size >= 1, f"--sample-batch-size must be >= 1, got {args.sample_batch_size}"),
-        (
-            args.data_root is None or bool(args.data_root),
-            "--data-root must not be empty (leave it unset for the offline games)",
-        ),
-        (
-            args.split in ("train", "valid_seen", "valid_unseen"),
-            f"--split must be train, valid_seen or valid_unseen, got {args.split!r}",
-        ),
+        (args.data_root != "", "--data-root must not be empty (leave it unset for the offline games)"),
         (
             args.task_types is None or (len(args.task_types) >= 1 and set(args.task_types) <= set(common.TASK_TYPES)),
             f"--task-types must be among {common.TASK_TYPES}, got {args.task_types}",
         ),
-        (args.seed >= 0, f"--seed must be >= 0, got {args.seed}"),
         (
             bool(args.exp_name) and "__" not in args.exp_name and "/" not in args.exp_name,
             f"--exp-name must be non-empty without '__' or '/', got {args.exp_name!r}",
         ),
         (bool(args.output_dir), "--output-dir must not be empty"),
         (not args.track or bool(args.wandb_project), "--wandb-project must not be empty with --track"),
-        (args.save_every >= 0, f"--save-every must be >= 0, got {args.save_every}"),
-        (args.eval_every >= 0, f"--eval-every must be >= 0, got {args.eval_every}"),
-        (args.eval_games >= 0, f"--eval-games must be >= 0, got {args.eval_games}"),
-        (args.threads >= 0, f"--threads must be >= 0, got {args.threads}"),
         (not (args.resume and args.eval_only), "--resume and --eval-only cannot be combined"),
         (not args.eval_only or args.eval_games >= 1, "--eval-only needs --eval-games >= 1"),
         (
@@ -1530,13 +1516,32 @@ def validate_model_args(args) -> None:
             args.sampler == "vllm" or not args.sampler_url,
             "--sampler-url is only used with --sampler vllm (the default sampler is generate)",
         ),
-        (args.sampler_concurrency >= 1, f"--sampler-concurrency must be >= 1, got {args.sampler_concurrency}"),
-        (args.sampler_timeout_s > 0, f"--sampler-timeout-s must be > 0, got {args.sampler_timeout_s}"),
-        (args.sampler_deadline_s > 0, f"--sampler-deadline-s must be > 0, got {args.sampler_deadline_s}"),
-    ]
-    for ok, message in checks:
+    )
+
+
+def check(*conditions: tuple[bool, str]) -> None:
+    """A ValueError (a start-up error) with the message of the first condition that does not hold."""
+    for ok, message in conditions:
         if not ok:
             raise ValueError(message)
+
+
+def check_bounds(args, bound: str, *names: str) -> None:
+    """Every named flag must be `bound` (">= 1", "> 0", ">= 0"; None passes); the error names the flag and value."""
+    op, limit = bound.split()
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and not (value > float(limit) if op == ">" else value >= float(limit)):
+            raise ValueError(f"--{name.replace('_', '-')} must be {bound}, got {value}")
+
+
+def check_choices(args) -> None:
+    """Every Literal flag holds one of its choices (tyro checks them on the command line, not in Args(...))."""
+    for name, hint in typing.get_type_hints(type(args)).items():
+        if typing.get_origin(hint) is Literal and getattr(args, name) not in typing.get_args(hint):
+            raise ValueError(
+                f"--{name.replace('_', '-')} must be one of {typing.get_args(hint)}, got {getattr(args, name)!r}"
+            )
 
 
 def make_accelerator():
