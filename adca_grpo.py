@@ -1034,28 +1034,15 @@ def make_runtime(args: Args, accelerator) -> Runtime:
             require_writable_dir(args.labeler_log_dir, "--labeler-log-dir")
             / f"labels_rank{accelerator.process_index}.jsonl"
         )
-    data_root, games = training_games(args, accelerator)
-    tokenizer, model, optimizer = load_model(args, accelerator)
-    greedy_fn = make_sampler(model, tokenizer, accelerator, args, greedy=True)
+    parts = runtime_parts(args, accelerator)
     labeler = None
     if needs_labels(args):
         labeler = api_labeler or (
-            oracle_labeler if labeler_backend(args) == "oracle" else PolicyLabeler(greedy_fn, tokenizer, args)
+            oracle_labeler
+            if labeler_backend(args) == "oracle"
+            else PolicyLabeler(parts["greedy_fn"], parts["tokenizer"], args)
         )
-    return Runtime(
-        args,
-        accelerator,
-        tokenizer,
-        model,
-        optimizer,
-        common.ChatProtocol(tokenizer),
-        make_sampler(model, tokenizer, accelerator, args),
-        greedy_fn,
-        labeler,
-        label_log,
-        data_root,
-        games,
-    )
+    return Runtime(**parts, labeler=labeler, label_log=label_log)
 
 
 def group_metrics(groups: Sequence[Sequence[common.Trajectory]]) -> dict:
@@ -1133,19 +1120,7 @@ def ppo_update(rt: Runtime, datums: list[Datum]) -> dict:
     for _ in range(args.ppo_epochs):
         order = random.sample(range(len(datums)), len(datums)) if args.mini_batches > 1 else range(len(datums))
         for part in range(args.mini_batches):
-            per_step.append(
-                train_step(
-                    rt.model,
-                    rt.optimizer,
-                    rt.accelerator,
-                    [datums[i] for i in list(order)[part :: args.mini_batches]],
-                    loss_fn,
-                    temperature=args.temperature,
-                    pad_id=rt.tokenizer.pad_token_id,
-                    micro_batch_tokens=args.micro_batch_tokens,
-                    max_grad_norm=args.max_grad_norm,
-                )
-            )
+            per_step.append(train_step(rt, [datums[i] for i in list(order)[part :: args.mini_batches]], loss_fn))
     merged = {key: math.fsum(m.get(key, 0.0) for m in per_step) / steps for key in per_step[0]}
     merged["train/tokens"] = math.fsum(m["train/tokens"] for m in per_step) / args.ppo_epochs
     merged["train/nonfinite_skipped"] = math.fsum(m["train/nonfinite_skipped"] for m in per_step)
@@ -1158,17 +1133,7 @@ def adca_update(rt: Runtime, update: int) -> tuple[dict, list[dict]]:
     args, t0 = rt.args, time.time()
     # ---- step 1: roll out G games x N full episodes
     starts = [rt.fresh_state() for _ in range(args.games_per_update)]
-    groups = common.rollout(
-        starts,
-        args.trajectories_per_game,
-        rt.sample_fn,
-        rt.protocol,
-        horizon=args.max_turns,
-        max_episode_steps=args.max_turns,
-        max_turn_tokens=args.max_turn_tokens,
-        max_trajectory_tokens=args.max_trajectory_tokens,
-        on_turn=rt.on_turn,
-    )
+    groups = play(rt, starts, args.trajectories_per_game, horizon=args.max_turns, max_episode_steps=args.max_turns)
     trajectories = [traj for group in groups for traj in group]
     group_ids = [traj.group for traj in trajectories]
     t_rollout = time.time()
@@ -1191,7 +1156,7 @@ def adca_update(rt: Runtime, update: int) -> tuple[dict, list[dict]]:
 
     # ---- step 6: broadcast each step's advantage to the tokens generated at that step
     datums = trajectory_datums(trajectories, advantages_per_step)
-    metrics |= refresh_old_logprobs(rt.model, rt.accelerator, datums, args, rt.tokenizer.pad_token_id)
+    metrics |= refresh_old_logprobs(rt, datums)
     if (args.kl_beta > 0 or args.kl_loss_coef > 0) and datums:
         metrics |= add_reference_kl(rt, datums)
 
@@ -1343,7 +1308,8 @@ def train(rt, algorithm: str, checkpoint, trainer_state, total_updates: int, one
         load_checkpoint(checkpoint, rt.model, None, accelerator)
         run_dir = new_run_dir(args)
         logger = RunLogger(args, run_dir, accelerator, 1, 0)
-        metrics = evaluate(rt, eval_steps, on_turn=logger.on_turn)
+        rt.on_turn = logger.on_turn
+        metrics = evaluate(rt, eval_steps)
         logger.log(trainer_state["update"], {"checkpoint": str(checkpoint), **metrics})
         logger.close()
         if accelerator.is_main_process:
@@ -1366,7 +1332,7 @@ def train(rt, algorithm: str, checkpoint, trainer_state, total_updates: int, one
         metrics = reduce_metrics(accelerator, metrics)
         last = update == total_updates
         if args.eval_every and args.eval_games and (last or update % args.eval_every == 0):
-            metrics.update(evaluate(rt, eval_steps, on_turn=logger.on_turn))
+            metrics.update(evaluate(rt, eval_steps))
         logger.log(update, {**tags, **metrics}, samples)
         if last or (args.save_every and update % args.save_every == 0):
             save_checkpoint(run_dir, update, rt.model, rt.optimizer, accelerator, algorithm, tags, rt.state_dict())
@@ -1624,6 +1590,40 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+def runtime_parts(args, accelerator) -> dict:
+    """What every Runtime holds: this process's shard of the training games (checked before the model loads), the
+    model, its optimizer, the chat protocol and the samplers (T = --temperature, and greedy)."""
+    data_root, games = training_games(args, accelerator)
+    tokenizer, model, optimizer = load_model(args, accelerator)
+    return dict(
+        args=args,
+        accelerator=accelerator,
+        tokenizer=tokenizer,
+        model=model,
+        optimizer=optimizer,
+        protocol=common.ChatProtocol(tokenizer),
+        sample_fn=make_sampler(model, tokenizer, accelerator, args),
+        greedy_fn=make_sampler(model, tokenizer, accelerator, args, greedy=True),
+        data_root=data_root,
+        games=games,
+    )
+
+
+def play(rt, starts, branches: int, *, horizon: int, max_episode_steps: int, sample_fn=None):
+    """common.rollout with the run's token budgets, progress bar and sampler (rt.sample_fn unless given)."""
+    return common.rollout(
+        starts,
+        branches,
+        sample_fn or rt.sample_fn,
+        rt.protocol,
+        horizon=horizon,
+        max_episode_steps=max_episode_steps,
+        max_turn_tokens=rt.args.max_turn_tokens,
+        max_trajectory_tokens=rt.args.max_trajectory_tokens,
+        on_turn=rt.on_turn,
+    )
 
 
 def load_model(args, accelerator):
@@ -1957,13 +1957,19 @@ def sequence_logprobs(
     return result
 
 
-def refresh_old_logprobs(model, accelerator, datums: list[Datum], args, pad_id: int) -> dict:
+def refresh_old_logprobs(rt, datums: list[Datum]) -> dict:
     """With --sampler vllm and --recompute-logprobs: the datums' old logprobs become the trainer's own (the
     server's kernels and precision differ), and the drift |server - trainer| over the trained tokens is reported."""
+    args = rt.args
     if args.sampler != "vllm" or not args.recompute_logprobs or not datums:
         return {}
     trainer = sequence_logprobs(
-        model, accelerator, [d.tokens for d in datums], args.temperature, pad_id, args.micro_batch_tokens
+        rt.model,
+        rt.accelerator,
+        [d.tokens for d in datums],
+        args.temperature,
+        rt.tokenizer.pad_token_id,
+        args.micro_batch_tokens,
     )
     drift = []
     for datum, fresh in zip(datums, trainer):
@@ -2032,19 +2038,8 @@ def trajectory_datums(trajectories: Sequence[common.Trajectory], step_advantages
 LossFn = Callable[[torch.Tensor, dict[str, torch.Tensor], float], tuple[torch.Tensor, dict[str, float]]]
 
 
-def train_step(
-    model,
-    optimizer,
-    accelerator,
-    datums: list[Datum],
-    loss_fn: LossFn,
-    *,
-    temperature: float,
-    pad_id: int,
-    micro_batch_tokens: int,
-    max_grad_norm: float,
-) -> dict:
-    """One optimizer step on all datums (token-budget micro-batches, gradient accumulation).
+def train_step(rt, datums: list[Datum], loss_fn: LossFn) -> dict:
+    """One optimizer step of rt.model on all datums (token-budget micro-batches, gradient accumulation).
 
     The algorithm's loss_fn gets the policy's teacher-forced logprobs of one micro-batch [rows, width], the
     micro-batch's right-padded datum fields (old_logprobs, advantages, mask; ref_logprobs when every datum has them)
@@ -2052,7 +2047,8 @@ def train_step(
     update's loss and per-token sums, logged as train/{name} means. A non-finite loss or gradient norm skips the step."""
     from accelerate.utils import gather_object
 
-    policy = accelerator.unwrap_model(model)  # gradients are summed across processes by hand below
+    args, accelerator, optimizer, pad_id = rt.args, rt.accelerator, rt.optimizer, rt.tokenizer.pad_token_id
+    policy = accelerator.unwrap_model(rt.model)  # gradients are summed across processes by hand below
     policy.train()
     params = [p for p in policy.parameters() if p.requires_grad]
     device = accelerator.device
@@ -2063,7 +2059,7 @@ def train_step(
         return {"train/tokens": 0.0, "train/nonfinite_skipped": 0.0}
     loss_sum = ratio_sum = ratio_max = 0.0
     stat_sums: dict[str, float] = {}
-    for batch in token_budget_batches([len(d.tokens) for d in datums], micro_batch_tokens):
+    for batch in token_budget_batches([len(d.tokens) for d in datums], args.micro_batch_tokens):
         rows = [datums[i] for i in batch]
         width = max(len(d.tokens) for d in rows)
         fields = ["old_logprobs", "advantages", "mask"] + (
@@ -2073,7 +2069,7 @@ def train_step(
             name: torch.tensor([getattr(d, name) + [0.0] * (width - len(d.tokens)) for d in rows], device=device)
             for name in fields
         }
-        logprobs = forward_logprobs(policy, [d.tokens for d in rows], temperature, pad_id, device)
+        logprobs = forward_logprobs(policy, [d.tokens for d in rows], args.temperature, pad_id, device)
         loss, stats = loss_fn(logprobs, padded, total_tokens)
         loss.backward()
         loss_sum += loss.item()
@@ -2091,7 +2087,7 @@ def train_step(
             p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
             offset += p.numel()
         names = sorted({name for rank_names in gather_object([names]) for name in rank_names})
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm).item()
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm).item()
     sums = [loss_sum, ratio_sum] + [stat_sums.get(name, 0.0) for name in names]
     loss_total, ratio_total, *stat_totals = accelerator.reduce(
         torch.tensor(sums, dtype=torch.float64, device=device), "sum"
@@ -2432,13 +2428,13 @@ def check_checkpoint(path: Path, args, algorithm: str, flag: str, num_processes:
     return state
 
 
-def evaluate(rt, max_episode_steps: int, on_turn=None) -> dict:
+def evaluate(rt, max_episode_steps: int) -> dict:
     """Greedy episodes (rt.greedy_fn) on --eval-games games (common.eval_subset) of valid_seen and valid_unseen,
     sharded over the processes. invalid_action_rate = turns whose reply was not an admissible action (bad format or
     not admissible)."""
     from accelerate.utils import gather_object
 
-    args, accelerator, protocol, metrics = rt.args, rt.accelerator, rt.protocol, {}
+    args, accelerator, metrics = rt.args, rt.accelerator, {}
     for split in ("valid_seen", "valid_unseen"):
         try:
             games = common.eval_subset(args.data_root, split, args.task_types, args.eval_games)
@@ -2446,19 +2442,9 @@ def evaluate(rt, max_episode_steps: int, on_turn=None) -> dict:
             print(f"[eval] skipping {split}: {error}", file=sys.stderr)
             continue
         mine = games[accelerator.process_index :: accelerator.num_processes]
-        starts = [common.fresh_state(game, protocol) for game in mine]
+        starts = [common.fresh_state(game, rt.protocol) for game in mine]
         groups = (
-            common.rollout(
-                starts,
-                1,
-                rt.greedy_fn,
-                protocol,
-                horizon=max_episode_steps,
-                max_episode_steps=max_episode_steps,
-                max_turn_tokens=args.max_turn_tokens,
-                max_trajectory_tokens=args.max_trajectory_tokens,
-                on_turn=on_turn,
-            )
+            play(rt, starts, 1, horizon=max_episode_steps, max_episode_steps=max_episode_steps, sample_fn=rt.greedy_fn)
             if starts
             else []
         )

@@ -429,18 +429,8 @@ class Runtime:
         return prompt if len(prompt) <= args.max_trajectory_tokens - args.max_critic_tokens else None
 
     def train(self, datums: list[Datum]) -> dict:
-        drift = refresh_old_logprobs(self.model, self.accelerator, datums, self.args, self.tokenizer.pad_token_id)
-        return drift | train_step(
-            self.model,
-            self.optimizer,
-            self.accelerator,
-            datums,
-            functools.partial(policy_loss, clip=self.args.ppo_clip),
-            temperature=self.args.temperature,
-            pad_id=self.tokenizer.pad_token_id,
-            micro_batch_tokens=self.args.micro_batch_tokens,
-            max_grad_norm=self.args.max_grad_norm,
-        )
+        drift = refresh_old_logprobs(self, datums)
+        return drift | train_step(self, datums, functools.partial(policy_loss, clip=self.args.ppo_clip))
 
 
 def critic_metrics(values_per_state: Sequence[Sequence[float | None]], targets: Sequence[float], corr_key: str) -> dict:
@@ -487,17 +477,7 @@ def warmup_update(rt: Runtime) -> tuple[dict, list[dict]]:
     args, t0 = rt.args, time.time()
     # ---- Phase 1, step 1: fresh games, N full trajectories each (one macro step = the whole episode)
     starts = [rt.fresh_state() for _ in range(args.warmup_games_per_batch)]
-    groups = common.rollout(
-        starts,
-        args.branches,
-        rt.sample_fn,
-        rt.protocol,
-        horizon=args.max_episode_steps,
-        max_episode_steps=args.max_episode_steps,
-        max_turn_tokens=args.max_turn_tokens,
-        max_trajectory_tokens=args.max_trajectory_tokens,
-        on_turn=rt.on_turn,
-    )
+    groups = play(rt, starts, args.branches, horizon=args.max_episode_steps, max_episode_steps=args.max_episode_steps)
     trajectories = [traj for group in groups for traj in group]
     t_rollout = time.time()
 
@@ -592,17 +572,7 @@ def td_update(rt: Runtime) -> tuple[dict, list[dict]]:
 
     # ---- Phase 2, step 2: restore each state (replay, verified; one that fails is dropped, never fatal) and run N
     # branches for H turns
-    groups = common.rollout(
-        starts,
-        args.branches,
-        rt.sample_fn,
-        rt.protocol,
-        horizon=args.macro_rounds,
-        max_episode_steps=args.max_episode_steps,
-        max_turn_tokens=args.max_turn_tokens,
-        max_trajectory_tokens=args.max_trajectory_tokens,
-        on_turn=rt.on_turn,
-    )
+    groups = play(rt, starts, args.branches, horizon=args.macro_rounds, max_episode_steps=args.max_episode_steps)
     live_starts, live_groups = [s for s, g in zip(starts, groups) if g], [g for g in groups if g]
     t_rollout = time.time()
 
@@ -751,21 +721,10 @@ POSTFIX_KEYS = ("critic/abs_error_mean", "critic/value_corr", "rollout/success_r
 def make_runtime(args: Args, accelerator) -> Runtime:
     """This process's shard of the training games (checked before the model loads), model, optimizer, chat
     protocol, samplers and an empty state store."""
-    data_root, games = training_games(args, accelerator)
-    tokenizer, model, optimizer = load_model(args, accelerator)
     return Runtime(
-        args,
-        accelerator,
-        tokenizer,
-        model,
-        optimizer,
-        common.ChatProtocol(tokenizer),
-        make_sampler(model, tokenizer, accelerator, args),
-        make_sampler(model, tokenizer, accelerator, args, greedy=True),
-        data_root,
-        games,
-        StateStore(args.state_store_capacity),
-        random.Random(args.seed + accelerator.process_index),
+        **runtime_parts(args, accelerator),
+        store=StateStore(args.state_store_capacity),
+        rng=random.Random(args.seed + accelerator.process_index),
     )
 
 
@@ -826,7 +785,8 @@ def train(rt, algorithm: str, checkpoint, trainer_state, total_updates: int, one
         load_checkpoint(checkpoint, rt.model, None, accelerator)
         run_dir = new_run_dir(args)
         logger = RunLogger(args, run_dir, accelerator, 1, 0)
-        metrics = evaluate(rt, eval_steps, on_turn=logger.on_turn)
+        rt.on_turn = logger.on_turn
+        metrics = evaluate(rt, eval_steps)
         logger.log(trainer_state["update"], {"checkpoint": str(checkpoint), **metrics})
         logger.close()
         if accelerator.is_main_process:
@@ -849,7 +809,7 @@ def train(rt, algorithm: str, checkpoint, trainer_state, total_updates: int, one
         metrics = reduce_metrics(accelerator, metrics)
         last = update == total_updates
         if args.eval_every and args.eval_games and (last or update % args.eval_every == 0):
-            metrics.update(evaluate(rt, eval_steps, on_turn=logger.on_turn))
+            metrics.update(evaluate(rt, eval_steps))
         logger.log(update, {**tags, **metrics}, samples)
         if last or (args.save_every and update % args.save_every == 0):
             save_checkpoint(run_dir, update, rt.model, rt.optimizer, accelerator, algorithm, tags, rt.state_dict())
@@ -1107,6 +1067,40 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+def runtime_parts(args, accelerator) -> dict:
+    """What every Runtime holds: this process's shard of the training games (checked before the model loads), the
+    model, its optimizer, the chat protocol and the samplers (T = --temperature, and greedy)."""
+    data_root, games = training_games(args, accelerator)
+    tokenizer, model, optimizer = load_model(args, accelerator)
+    return dict(
+        args=args,
+        accelerator=accelerator,
+        tokenizer=tokenizer,
+        model=model,
+        optimizer=optimizer,
+        protocol=common.ChatProtocol(tokenizer),
+        sample_fn=make_sampler(model, tokenizer, accelerator, args),
+        greedy_fn=make_sampler(model, tokenizer, accelerator, args, greedy=True),
+        data_root=data_root,
+        games=games,
+    )
+
+
+def play(rt, starts, branches: int, *, horizon: int, max_episode_steps: int, sample_fn=None):
+    """common.rollout with the run's token budgets, progress bar and sampler (rt.sample_fn unless given)."""
+    return common.rollout(
+        starts,
+        branches,
+        sample_fn or rt.sample_fn,
+        rt.protocol,
+        horizon=horizon,
+        max_episode_steps=max_episode_steps,
+        max_turn_tokens=rt.args.max_turn_tokens,
+        max_trajectory_tokens=rt.args.max_trajectory_tokens,
+        on_turn=rt.on_turn,
+    )
 
 
 def load_model(args, accelerator):
@@ -1440,13 +1434,19 @@ def sequence_logprobs(
     return result
 
 
-def refresh_old_logprobs(model, accelerator, datums: list[Datum], args, pad_id: int) -> dict:
+def refresh_old_logprobs(rt, datums: list[Datum]) -> dict:
     """With --sampler vllm and --recompute-logprobs: the datums' old logprobs become the trainer's own (the
     server's kernels and precision differ), and the drift |server - trainer| over the trained tokens is reported."""
+    args = rt.args
     if args.sampler != "vllm" or not args.recompute_logprobs or not datums:
         return {}
     trainer = sequence_logprobs(
-        model, accelerator, [d.tokens for d in datums], args.temperature, pad_id, args.micro_batch_tokens
+        rt.model,
+        rt.accelerator,
+        [d.tokens for d in datums],
+        args.temperature,
+        rt.tokenizer.pad_token_id,
+        args.micro_batch_tokens,
     )
     drift = []
     for datum, fresh in zip(datums, trainer):
@@ -1515,19 +1515,8 @@ def trajectory_datums(trajectories: Sequence[common.Trajectory], step_advantages
 LossFn = Callable[[torch.Tensor, dict[str, torch.Tensor], float], tuple[torch.Tensor, dict[str, float]]]
 
 
-def train_step(
-    model,
-    optimizer,
-    accelerator,
-    datums: list[Datum],
-    loss_fn: LossFn,
-    *,
-    temperature: float,
-    pad_id: int,
-    micro_batch_tokens: int,
-    max_grad_norm: float,
-) -> dict:
-    """One optimizer step on all datums (token-budget micro-batches, gradient accumulation).
+def train_step(rt, datums: list[Datum], loss_fn: LossFn) -> dict:
+    """One optimizer step of rt.model on all datums (token-budget micro-batches, gradient accumulation).
 
     The algorithm's loss_fn gets the policy's teacher-forced logprobs of one micro-batch [rows, width], the
     micro-batch's right-padded datum fields (old_logprobs, advantages, mask; ref_logprobs when every datum has them)
@@ -1535,7 +1524,8 @@ def train_step(
     update's loss and per-token sums, logged as train/{name} means. A non-finite loss or gradient norm skips the step."""
     from accelerate.utils import gather_object
 
-    policy = accelerator.unwrap_model(model)  # gradients are summed across processes by hand below
+    args, accelerator, optimizer, pad_id = rt.args, rt.accelerator, rt.optimizer, rt.tokenizer.pad_token_id
+    policy = accelerator.unwrap_model(rt.model)  # gradients are summed across processes by hand below
     policy.train()
     params = [p for p in policy.parameters() if p.requires_grad]
     device = accelerator.device
@@ -1546,7 +1536,7 @@ def train_step(
         return {"train/tokens": 0.0, "train/nonfinite_skipped": 0.0}
     loss_sum = ratio_sum = ratio_max = 0.0
     stat_sums: dict[str, float] = {}
-    for batch in token_budget_batches([len(d.tokens) for d in datums], micro_batch_tokens):
+    for batch in token_budget_batches([len(d.tokens) for d in datums], args.micro_batch_tokens):
         rows = [datums[i] for i in batch]
         width = max(len(d.tokens) for d in rows)
         fields = ["old_logprobs", "advantages", "mask"] + (
@@ -1556,7 +1546,7 @@ def train_step(
             name: torch.tensor([getattr(d, name) + [0.0] * (width - len(d.tokens)) for d in rows], device=device)
             for name in fields
         }
-        logprobs = forward_logprobs(policy, [d.tokens for d in rows], temperature, pad_id, device)
+        logprobs = forward_logprobs(policy, [d.tokens for d in rows], args.temperature, pad_id, device)
         loss, stats = loss_fn(logprobs, padded, total_tokens)
         loss.backward()
         loss_sum += loss.item()
@@ -1574,7 +1564,7 @@ def train_step(
             p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
             offset += p.numel()
         names = sorted({name for rank_names in gather_object([names]) for name in rank_names})
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm).item()
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm).item()
     sums = [loss_sum, ratio_sum] + [stat_sums.get(name, 0.0) for name in names]
     loss_total, ratio_total, *stat_totals = accelerator.reduce(
         torch.tensor(sums, dtype=torch.float64, device=device), "sum"
@@ -1915,13 +1905,13 @@ def check_checkpoint(path: Path, args, algorithm: str, flag: str, num_processes:
     return state
 
 
-def evaluate(rt, max_episode_steps: int, on_turn=None) -> dict:
+def evaluate(rt, max_episode_steps: int) -> dict:
     """Greedy episodes (rt.greedy_fn) on --eval-games games (common.eval_subset) of valid_seen and valid_unseen,
     sharded over the processes. invalid_action_rate = turns whose reply was not an admissible action (bad format or
     not admissible)."""
     from accelerate.utils import gather_object
 
-    args, accelerator, protocol, metrics = rt.args, rt.accelerator, rt.protocol, {}
+    args, accelerator, metrics = rt.args, rt.accelerator, {}
     for split in ("valid_seen", "valid_unseen"):
         try:
             games = common.eval_subset(args.data_root, split, args.task_types, args.eval_games)
@@ -1929,19 +1919,9 @@ def evaluate(rt, max_episode_steps: int, on_turn=None) -> dict:
             print(f"[eval] skipping {split}: {error}", file=sys.stderr)
             continue
         mine = games[accelerator.process_index :: accelerator.num_processes]
-        starts = [common.fresh_state(game, protocol) for game in mine]
+        starts = [common.fresh_state(game, rt.protocol) for game in mine]
         groups = (
-            common.rollout(
-                starts,
-                1,
-                rt.greedy_fn,
-                protocol,
-                horizon=max_episode_steps,
-                max_episode_steps=max_episode_steps,
-                max_turn_tokens=args.max_turn_tokens,
-                max_trajectory_tokens=args.max_trajectory_tokens,
-                on_turn=on_turn,
-            )
+            play(rt, starts, 1, horizon=max_episode_steps, max_episode_steps=max_episode_steps, sample_fn=rt.greedy_fn)
             if starts
             else []
         )

@@ -522,17 +522,7 @@ def test_update_moves_logprob_with_the_advantage_sign(runtime, sign):
 
     before = generated_logprob()
     assert before == pytest.approx(sum(old_logprobs), abs=1e-3)  # sampling logprobs = teacher-forced ones
-    metrics = adca_grpo.train_step(
-        rt.model,
-        rt.optimizer,
-        rt.accelerator,
-        [datum],
-        adca_grpo.policy_loss,
-        temperature=rt.args.temperature,
-        pad_id=rt.tokenizer.pad_token_id,
-        micro_batch_tokens=8192,
-        max_grad_norm=1.0,
-    )
+    metrics = adca_grpo.train_step(rt, [datum], adca_grpo.policy_loss)
     assert (
         metrics["train/tokens"] == sum(mask)
         and metrics["train/clip_frac"] == 0

@@ -5,6 +5,7 @@ and both scripts trained through it."""
 import json
 import socket
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -182,12 +183,13 @@ def test_old_logprobs_are_recomputed_on_the_trainer_and_the_drift_reported(serve
     shifted = [lp - 0.25 for lp in reply.logprobs]  # as if the server's kernels were off by 0.25 nats
     datum = tempo.Datum(prompt + reply.tokens, [0.0] * len(prompt) + shifted, [1.0] * (len(prompt) + len(shifted)),
                         [0.0] * len(prompt) + [1.0] * len(shifted))  # fmt: skip
-    metrics = tempo.refresh_old_logprobs(model, accelerator, [datum], vllm_args, tokenizer.pad_token_id)
+    rt = SimpleNamespace(args=vllm_args, model=model, accelerator=accelerator, tokenizer=tokenizer)
+    metrics = tempo.refresh_old_logprobs(rt, [datum])
     assert metrics["rollout/logprob_drift_mean"] == pytest.approx(0.25, abs=1e-4)
     assert metrics["rollout/logprob_drift_max"] == pytest.approx(0.25, abs=1e-4)
     assert max(abs(a - b) for a, b in zip(datum.old_logprobs[len(prompt) :], reply.logprobs)) < 1e-4
     off = tempo.Args(**{**vars(vllm_args), "recompute_logprobs": False})
-    assert tempo.refresh_old_logprobs(model, accelerator, [datum], off, tokenizer.pad_token_id) == {}
+    assert tempo.refresh_old_logprobs(SimpleNamespace(**{**vars(rt), "args": off}), [datum]) == {}
 
 
 # --------------------------------------------------------------------------------------------

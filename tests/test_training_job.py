@@ -272,17 +272,7 @@ def test_checkpoint_round_trip_continues_exactly(name, games_root, tiny_model_di
             tokens, old_logprobs, step_ids = traj.sequence()
             mask = [float(k >= 0) for k in step_ids]
             datums.append(module.Datum(tokens, old_logprobs, [advantage * m for m in mask], mask))
-        metrics = module.train_step(
-            rt.model,
-            rt.optimizer,
-            accelerator,
-            datums,
-            module.policy_loss,
-            temperature=1.0,
-            pad_id=rt.tokenizer.pad_token_id,
-            micro_batch_tokens=4096,
-            max_grad_norm=1.0,
-        )
+        metrics = module.train_step(rt, datums, module.policy_loss)
         assert metrics["train/grad_norm"] > 0 and metrics["train/nonfinite_skipped"] == 0
         return [traj.tokens for traj in group]
 
@@ -620,17 +610,7 @@ def test_nonfinite_loss_skips_the_step(name, games_root, tiny_model_dir, tmp_pat
     def train(advantage):
         before = {n: p.detach().clone() for n, p in rt.model.named_parameters() if p.requires_grad}
         datum = module.Datum(tokens, old_logprobs, [advantage * m for m in mask], mask)
-        metrics = module.train_step(
-            rt.model,
-            rt.optimizer,
-            accelerator,
-            [datum],
-            module.policy_loss,
-            temperature=1.0,
-            pad_id=rt.tokenizer.pad_token_id,
-            micro_batch_tokens=4096,
-            max_grad_norm=1.0,
-        )
+        metrics = module.train_step(rt, [datum], module.policy_loss)
         changed = any(not torch.equal(before[n], p) for n, p in rt.model.named_parameters() if p.requires_grad)
         return metrics, changed
 
