@@ -1354,24 +1354,10 @@ def starting():
 
 
 # Flags a resumed run may change: where and how fast it runs and what it logs, not what it trains.
-RESUME_FREE_FLAGS = (
-    "resume",
-    "eval_only",
-    "output_dir",
-    "track",
-    "wandb_project",
-    "save_every",
-    "eval_every",
-    "eval_games",
-    "threads",
-    "micro_batch_tokens",
-    "sample_batch_size",
-    "sampler",
-    "sampler_url",
-    "sampler_adapter_dir",
-    "sampler_concurrency",
-    "sampler_timeout_s",
-    "sampler_deadline_s",
+RESUME_FREE_FLAGS = tuple(
+    "resume eval_only output_dir track wandb_project save_every eval_every eval_games threads micro_batch_tokens "
+    "sample_batch_size sampler sampler_url sampler_adapter_dir sampler_concurrency sampler_timeout_s "
+    "sampler_deadline_s".split()
 )
 
 
