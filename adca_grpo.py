@@ -2427,8 +2427,13 @@ def evaluate(rt, max_episode_steps: int) -> dict:
         except FileNotFoundError as error:
             print(f"[eval] skipping {split}: {error}", file=sys.stderr)
             continue
-        mine = games[accelerator.process_index :: accelerator.num_processes]
-        starts = [common.fresh_state(game, rt.protocol) for game in mine]
+        starts, skipped = [], 0
+        for game in games[accelerator.process_index :: accelerator.num_processes]:
+            try:
+                starts.append(common.fresh_state(game, rt.protocol))
+            except common.BadGameError as error:  # passed the start-up parse (its grammar did not): never fatal
+                skipped += 1
+                print(f"[eval] WARNING: skipped a game that does not load: {error}", file=sys.stderr)
         groups = (
             play(rt, starts, 1, horizon=max_episode_steps, max_episode_steps=max_episode_steps, sample_fn=rt.greedy_fn)
             if starts
@@ -2445,6 +2450,9 @@ def evaluate(rt, max_episode_steps: int) -> dict:
             for traj in group
         ]
         results = gather_object(results) if accelerator.num_processes > 1 else results
+        skipped = sum(gather_object([skipped])) if accelerator.num_processes > 1 else skipped
+        if skipped:
+            metrics[f"eval/{split}/bad_games_skipped"] = float(skipped)
         if not results:
             continue
         won = [r for r in results if r["won"]]

@@ -37,7 +37,9 @@ sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
 
 TASK_TYPES = ("look_at_obj_in_light", "pick_and_place_simple")
-ALGORITHMS = ("grpo", "adca_oracle", "tempo")
+ALGORITHMS = ("grpo", "adca_oracle", "tempo", "tempo_ppo")
+# tempo_ppo: TEMPO with PPO clipping (0.2, 0.28) and --tempo-ppo-learning-rate; at the shared lr (1e-3) TEMPO's
+# importance-sampling loss did not learn (README: Does it learn?)
 
 
 @dataclass
@@ -49,7 +51,7 @@ class Args:
     quick: bool = False
     """one seed, --quick-updates updates: the pipeline end to end in minutes"""
     algorithms: tuple[str, ...] = ALGORITHMS
-    """which of grpo, adca_oracle, tempo to run"""
+    """which of grpo, adca_oracle, tempo, tempo_ppo to run"""
     seeds: tuple[int, ...] = (1, 2, 3)
     """seeds per algorithm"""
     updates: int = 12
@@ -65,7 +67,9 @@ class Args:
     max_turns: int = 6
     """episode cap (walkthroughs are 4 steps)"""
     learning_rate: float = 1e-3
-    """RL learning rate (LoRA)"""
+    """RL learning rate (LoRA) of grpo, adca_oracle and tempo"""
+    tempo_ppo_learning_rate: float = 1e-4
+    """RL learning rate of tempo_ppo"""
     lora_rank: int = 16
     """RL LoRA rank"""
     lora_alpha: int = 32
@@ -152,6 +156,9 @@ def algorithm_command(name: str, seed: int, updates: int, warm: Path, games: Pat
     if name == "adca_oracle":
         return ["adca_grpo.py", *shared, *grpo, "--labeler-backend", "oracle", "--prm-steps", str(updates)]
     warmup = max(1, updates // 4)
+    if name == "tempo_ppo":
+        shared[shared.index("--learning-rate") + 1] = str(args.tempo_ppo_learning_rate)
+        shared += ["--ppo-clip", "0.2", "0.28"]
     return [
         "tempo.py", *shared, "--macro-rounds", str(args.max_turns // 2), "--max-episode-steps", str(args.max_turns),
         "--branches", "4", "--critic-samples", "4", "--endpoint-samples", "1", "--states-per-batch", "4",
@@ -293,7 +300,7 @@ def plot(results: dict, out: Path, args: Args) -> None:
     fig.savefig(out / "learning.png", dpi=120)
     plt.close(fig)
 
-    tempo_runs = [r for r in results["runs"].values() if r["algorithm"] == "tempo"]
+    tempo_runs = [r for r in results["runs"].values() if r["algorithm"].startswith("tempo")]
     if tempo_runs:
         keys = (  # the critic's warm-up targets, then the README's four TD-phase signals
             "critic/parse_failure_rate", "critic/abs_error_mean", "critic/value_corr", "critic/td_target_corr",
@@ -304,7 +311,12 @@ def plot(results: dict, out: Path, args: Args) -> None:
         for ax, key in zip(axes, keys):
             for r in tempo_runs:
                 rows = [m for m in r["metrics"] if key in m]
-                ax.plot([m["update"] for m in rows], [m[key] for m in rows], marker=".", label=f"seed {r['seed']}")
+                ax.plot(
+                    [m["update"] for m in rows],
+                    [m[key] for m in rows],
+                    marker=".",
+                    label=f"{r['algorithm']} s{r['seed']}",
+                )
             ax.set_title(key, fontsize=9)
             ax.set_xlabel("update")
         axes[0].legend(fontsize=8)

@@ -529,6 +529,21 @@ def test_game_that_fails_to_load_mid_run_is_skipped_not_fatal(games_root, tiny_m
     assert f"skipped a game that does not load: {bad}" in capfd.readouterr().err
 
 
+def test_eval_game_that_fails_to_load_mid_run_is_skipped_not_fatal(games_root, tiny_model_dir, tmp_path, capfd):
+    """The same for an evaluation game: the evaluation goes on without it, says so and counts it."""
+    data_root = tmp_path / "games"
+    shutil.copytree(games_root, data_root)
+    bad = common.eval_subset(data_root, "valid_seen", None, 1)[0]
+    data = json.loads(Path(bad).read_text())
+    Path(bad).write_text(json.dumps({**data, "grammar": data["grammar"].replace(";", "", 3)}))
+    values = settings("tempo", games_root, tiny_model_dir, tmp_path / "runs", data_root=str(data_root))
+    run_dir = tempo.main(tempo.Args(**{**values, "warmup_updates": 1, "td_updates": 0, "eval_every": 1}))
+    (row,) = read_rows(run_dir / "metrics.jsonl")
+    assert row["eval/valid_seen/bad_games_skipped"] == 1 and "eval/valid_seen/success_rate" not in row
+    assert "eval/valid_unseen/success_rate" in row  # the other split was evaluated
+    assert f"[eval] WARNING: skipped a game that does not load: {bad}" in capfd.readouterr().err
+
+
 @pytest.mark.parametrize(
     "script, flags, message",
     [
