@@ -1756,17 +1756,19 @@ class ServerSampler:
 
     def sync_adapter(self) -> None:
         """Make the server's copy of the adapter the current one, if the LoRA parameters changed in place since
-        the last call (torch counts in-place writes per tensor: optimizer steps, checkpoint loads)."""
+        the last call (torch counts in-place writes per tensor: optimizer steps, checkpoint loads) or the server
+        no longer serves it (it was restarted)."""
         from peft import get_peft_model_state_dict
 
         policy = self.accelerator.unwrap_model(self.model)
         version = sum(p._version for p in policy.parameters() if p.requires_grad)
-        if version == self.weights_version:
+        served = {card["id"] for card in self._served_models()}
+        if version == self.weights_version and self.adapter_name in served:
             return
         digest = adapter_sha256(get_peft_model_state_dict(policy))
         name = f"{self.args.exp_name}-{self.args.lora_alpha}-{digest[:16]}"
         if self.accelerator.is_main_process:
-            if name not in {card["id"] for card in self._served_models()}:
+            if name not in served:
                 policy.save_pretrained(str(self.adapter_dir / name))
                 self._load_adapter(name)
             if self.adapter_name not in (None, name):

@@ -4,6 +4,7 @@ and both scripts trained through it."""
 
 import json
 import socket
+import threading
 import time
 from types import SimpleNamespace
 
@@ -92,6 +93,23 @@ def test_server_samples_with_the_current_adapter_token_exact_and_hot_swaps_it(se
     assert max_logprob_gap(model, accelerator, tokenizer, prompts, completions) < 1e-4
 
 
+def test_a_restarted_server_gets_the_adapter_again(tiny_model_dir, trainer):
+    """A server restarted mid-run has lost the runtime-loaded adapter: the next call loads it again (same weights,
+    same name) instead of failing on a 404."""
+    args, accelerator, tokenizer, model, _ = trainer
+    perturb_adapter(model, 2)
+    prompts = chat_prompts(tokenizer, 2)
+    with TinyVllmServer(tiny_model_dir) as first:
+        sampler = tempo.make_sampler(model, tokenizer, accelerator, server_args(args, first.url))
+        sampler(prompts, 8)
+        port, name = first.httpd.server_address[1], sampler.adapter_name
+    with TinyVllmServer(tiny_model_dir, port=port) as restarted:
+        assert restarted.url == sampler.url and not restarted.adapters
+        completions = sampler(prompts, 8)
+        assert list(restarted.adapters) == [name] and set(restarted.requested_models) == {name}
+    assert max_logprob_gap(model, accelerator, tokenizer, prompts, completions) < 1e-4
+
+
 def test_one_turn_is_one_bounded_burst_of_concurrent_requests(tiny_model_dir, trainer):
     args, accelerator, tokenizer, model, _ = trainer
     with TinyVllmServer(tiny_model_dir, delay_s=0.2) as slow:
@@ -119,12 +137,16 @@ def test_a_slow_server_fails_the_call_at_the_deadline(tiny_model_dir, trainer):
         assert time.monotonic() - start < 2.0  # not a hang: the deadline, not the server, ended the call
 
 
-def test_a_refused_request_fails_at_once(server, trainer):
+def test_a_refused_request_fails_at_once(tiny_model_dir, trainer):
     args, accelerator, tokenizer, model, _ = trainer
-    sampler = tempo.make_sampler(model, tokenizer, accelerator, server_args(args, server.url))
-    server.unload({"lora_name": sampler.adapter_name})  # behind the sampler's back
-    with pytest.raises(RuntimeError, match="refused a completion request .*404 The model .* does not exist"):
-        sampler(chat_prompts(tokenizer, 1), 4)
+    with TinyVllmServer(tiny_model_dir, delay_s=1.0) as slow:
+        sampler = tempo.make_sampler(model, tokenizer, accelerator, server_args(args, slow.url))
+        # behind the sampler's back, while its request waits in the server
+        threading.Timer(0.5, slow.unload, [{"lora_name": sampler.adapter_name}]).start()
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match="refused a completion request .*404 The model .* does not exist"):
+            sampler(chat_prompts(tokenizer, 1), 4)
+        assert time.monotonic() - start < 2.3  # not retried: a retry waits 0.5 s, then 1 s more in the server
 
 
 def free_port() -> int:
