@@ -671,8 +671,7 @@ POSTFIX_KEYS = ("critic/abs_error_mean", "critic/value_corr", "rollout/success_r
 
 
 def make_runtime(args: Args, accelerator) -> Runtime:
-    """This process's shard of the training games (checked before the model loads), model, optimizer, chat
-    protocol, samplers and an empty state store."""
+    """What runtime_parts builds (games shard, model, optimizer, protocol, samplers) and an empty state store."""
     return Runtime(
         **runtime_parts(args, accelerator),
         store=StateStore(args.state_store_capacity),
