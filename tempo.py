@@ -294,7 +294,11 @@ class StateStore:
 
 
 def policy_loss(
-    logprobs: torch.Tensor, batch: dict[str, torch.Tensor], total_tokens: float, *, clip: tuple[float, float] | None
+    logprobs: torch.Tensor,
+    batch: dict[str, torch.Tensor],
+    total_tokens: float,
+    *,
+    clip: tuple[float, float] | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """train_step's loss, token mean over the whole update. ratio = exp(logp - old_logp): clip=None is the
     importance-sampling policy gradient -ratio * A (Tinker style); clip=(eps_low, eps_high) is PPO's
@@ -312,13 +316,8 @@ def policy_loss(
 
 def critic_datum(prompt: list[int], reply: common.Completion, advantage: float) -> Datum:
     """Critic prompt as context, the whole reply trained."""
-    n = len(reply.tokens)
-    return Datum(
-        prompt + reply.tokens,
-        [0.0] * len(prompt) + reply.logprobs,
-        [0.0] * len(prompt) + [advantage] * n,
-        [0.0] * len(prompt) + [1.0] * n,
-    )
+    context, n = [0.0] * len(prompt), len(reply.tokens)
+    return Datum(prompt + reply.tokens, context + reply.logprobs, context + [advantage] * n, context + [1.0] * n)
 
 
 def score_critic(prompts, replies, targets: Sequence[float], r_max: float):
@@ -433,10 +432,9 @@ def sample_critic(rt: Runtime, requests: Sequence[tuple[list[int] | None, int]])
 
 
 def critic_metrics(values_per_state, targets: Sequence[float], advantages_per_state, corr_key: str) -> dict:
-    """The critic on a batch of states, one target G each (a state without samples had its prompt over budget): the
-    targets' mean and std, the share of sampled states whose centred rewards are all 0 (degenerate), the parse
-    failure rate, mean |V - G| with a failure counted as 1 (abs_error_mean) and over parsed samples only, and under
-    `corr_key` the correlation of each state's mean parsed estimate with its target."""
+    """The critic on a batch of states, one target G each (no samples: prompt over budget): the targets' mean and std,
+    the share of sampled states whose centred rewards are all 0, the parse failure rate, mean |V - G| (a failure
+    counts as 1) and over parsed samples only, and under `corr_key` corr(each state's mean parsed estimate, G)."""
     sampled = [advantages for advantages in advantages_per_state if advantages]
     metrics = {
         "critic/value_target_mean": statistics.fmean(targets) if targets else 0.0,
