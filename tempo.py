@@ -168,9 +168,7 @@ _VALUE_RE = re.compile(r"<value>\s*([+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)
 
 def parse_value(text) -> float | None:
     """The last `<value>x</value>` of a critic reply, clamped to [0, 1]; None when absent or not finite."""
-    if not isinstance(text, str):
-        return None
-    matches = _VALUE_RE.findall(text)
+    matches = _VALUE_RE.findall(text) if isinstance(text, str) else []
     if not matches:
         return None
     value = float(matches[-1])
@@ -183,29 +181,25 @@ def actor_signals(
     """R_n = r_n + V_n (V_n = 0 for a terminal branch), G = mean(R), A_n = R_n - G."""
     if not (len(segment_rewards) == len(endpoint_values) == len(terminal)) or not segment_rewards:
         raise ValueError("actor_signals needs one reward, value and terminal flag per branch (at least one branch)")
-    returns = []
-    for reward, value, done in zip(segment_rewards, endpoint_values, terminal):
-        if not done and value is None:
-            raise ValueError("a non-terminal branch needs an endpoint value")
-        returns.append(float(reward) + (0.0 if done else float(value)))
+    if any(value is None and not done for value, done in zip(endpoint_values, terminal)):
+        raise ValueError("a non-terminal branch needs an endpoint value")
+    returns = [float(r) + (0.0 if done else float(v)) for r, v, done in zip(segment_rewards, endpoint_values, terminal)]
     value_target = sum(returns) / len(returns)
     return returns, value_target, [r - value_target for r in returns]
 
 
-def critic_errors(values: Sequence[float | None], value_target: float) -> list[float]:
+def critic_errors(values: Sequence[float | None], target: float) -> list[float]:
     """|V_k - G| per critic sample; a parse failure (None) counts as 1, the largest error a parsed value can make
     (values and targets both lie in [0, 1])."""
-    return [1.0 if v is None else abs(v - value_target) for v in values]
+    return [1.0 if v is None else abs(v - target) for v in values]
 
 
-def critic_signals(
-    values: Sequence[float | None], value_target: float, r_max: float
-) -> tuple[list[float], list[float]]:
+def critic_signals(values: Sequence[float | None], target: float, r_max: float) -> tuple[list[float], list[float]]:
     """Reward -|V_k - G| / r_max per critic sample (a parse failure scores exactly like the worst possible
     parsed answer, -1 / r_max), centred within the group."""
     if not values:
         raise ValueError("critic_signals needs at least one critic sample")
-    rewards = [-error / r_max for error in critic_errors(values, value_target)]
+    rewards = [-error / r_max for error in critic_errors(values, target)]
     mean = sum(rewards) / len(rewards)
     return rewards, [r - mean for r in rewards]
 
@@ -295,9 +289,7 @@ class StateStore:
         """Up to n states, uniformly without replacement; taken states leave the store."""
         picked = set(rng.sample(range(len(self.states)), min(n, len(self.states))))
         taken = [s for i, s in enumerate(self.states) if i in picked]
-        kept = [s for i, s in enumerate(self.states) if i not in picked]
-        self.states.clear()
-        self.states.extend(kept)
+        self.states = deque((s for i, s in enumerate(self.states) if i not in picked), self.states.maxlen)
         return taken
 
 
@@ -324,21 +316,34 @@ def policy_loss(
 
 def critic_datum(prompt: list[int], reply: common.Completion, advantage: float) -> Datum:
     """Critic prompt as context, the whole reply trained."""
-    n = len(reply.tokens)
-    return Datum(
-        prompt + reply.tokens,
-        [0.0] * len(prompt) + reply.logprobs,
-        [0.0] * len(prompt) + [advantage] * n,
-        [0.0] * len(prompt) + [1.0] * n,
-    )
+    context, n = [0.0] * len(prompt), len(reply.tokens)
+    return Datum(prompt + reply.tokens, context + reply.logprobs, context + [advantage] * n, context + [1.0] * n)
+
+
+def score_critic(prompts, replies, targets: Sequence[float], r_max: float):
+    """The critic's replies to each state's prompt scored against the state's target G: per state the parsed values
+    and the centred rewards -|V_k - G| / r_max (the advantages), then all critic datums. A state without replies
+    (prompt over budget) or whose rewards are all equal teaches nothing and gives no datum."""
+    values = [[parse_value(r.text) for r in group] for group in replies]
+    advantages = [critic_signals(v, g, r_max)[1] if v else [] for v, g in zip(values, targets)]
+    datums = [
+        critic_datum(prompt, reply, a)
+        for prompt, group, group_advantages in zip(prompts, replies, advantages)
+        if group_advantages and not is_degenerate(group_advantages)
+        for reply, a in zip(group, group_advantages)
+    ]
+    return values, advantages, datums
 
 
 def validate_args(args: Args) -> None:
     validate_model_args(args)
-    checks = [
-        (args.macro_rounds >= 1, f"--macro-rounds must be >= 1, got {args.macro_rounds}"),
+    check_bounds(args, ">= 1", "macro_rounds", "endpoint_samples", "states_per_batch", "warmup_games_per_batch")
+    check_bounds(args, ">= 1", "prefix_is_max_weight", "max_turn_tokens", "max_critic_tokens", "critic_step_chars")
+    check_bounds(args, ">= 0", "warmup_updates", "td_updates")
+    check_bounds(args, "> 0", "r_max")
+    check(
         (
-            args.max_episode_steps >= 1 and (args.eval_only or args.max_episode_steps % max(1, args.macro_rounds) == 0),
+            args.max_episode_steps >= 1 and (args.eval_only or args.max_episode_steps % args.macro_rounds == 0),
             f"--max-episode-steps ({args.max_episode_steps}) must be a positive multiple of --macro-rounds ({args.macro_rounds})",
         ),
         (args.branches >= 2, f"--branches must be >= 2 (advantages compare branches), got {args.branches}"),
@@ -346,25 +351,15 @@ def validate_args(args: Args) -> None:
             args.critic_samples >= 2,
             f"--critic-samples must be >= 2 (rewards are centred within them), got {args.critic_samples}",
         ),
-        (args.endpoint_samples >= 1, f"--endpoint-samples must be >= 1, got {args.endpoint_samples}"),
-        (args.states_per_batch >= 1, f"--states-per-batch must be >= 1, got {args.states_per_batch}"),
-        (args.warmup_updates >= 0, f"--warmup-updates must be >= 0, got {args.warmup_updates}"),
-        (args.warmup_games_per_batch >= 1, f"--warmup-games-per-batch must be >= 1, got {args.warmup_games_per_batch}"),
-        (args.td_updates >= 0, f"--td-updates must be >= 0, got {args.td_updates}"),
         (args.warmup_updates + args.td_updates >= 1, "--warmup-updates + --td-updates must be >= 1"),
         (
             args.state_store_capacity >= args.states_per_batch,
             f"--state-store-capacity ({args.state_store_capacity}) must be >= --states-per-batch ({args.states_per_batch})",
         ),
-        (args.r_max > 0, f"--r-max must be > 0, got {args.r_max}"),
         (
             args.ppo_clip is None or (0 < args.ppo_clip[0] < 1 and args.ppo_clip[1] > 0),
             f"--ppo-clip needs 0 < eps_low < 1 and eps_high > 0, got {args.ppo_clip}",
         ),
-        (args.prefix_is_max_weight >= 1, f"--prefix-is-max-weight must be >= 1, got {args.prefix_is_max_weight}"),
-        (args.max_turn_tokens >= 1, f"--max-turn-tokens must be >= 1, got {args.max_turn_tokens}"),
-        (args.max_critic_tokens >= 1, f"--max-critic-tokens must be >= 1, got {args.max_critic_tokens}"),
-        (args.critic_step_chars >= 1, f"--critic-step-chars must be >= 1, got {args.critic_step_chars}"),
         (
             args.max_critic_tokens < args.max_trajectory_tokens,
             f"--max-critic-tokens ({args.max_critic_tokens}) must be below --max-trajectory-tokens "
@@ -374,10 +369,7 @@ def validate_args(args: Args) -> None:
             args.max_trajectory_tokens > args.max_turn_tokens,
             f"--max-trajectory-tokens ({args.max_trajectory_tokens}) must exceed --max-turn-tokens ({args.max_turn_tokens})",
         ),
-    ]
-    for ok, message in checks:
-        if not ok:
-            raise ValueError(message)
+    )
 
 
 # =============================================================================================
@@ -421,8 +413,7 @@ class Runtime:
     def critic_prompt(self, game_file: str, task: str, messages, round_index: int) -> list[int] | None:
         """The critic prompt of a state; None when it leaves no room for a reply in --max-trajectory-tokens
         (never sent; the caller counts it)."""
-        args = self.args
-        walkthrough = common.load_game(game_file).walkthrough
+        args, walkthrough = self.args, common.load_game(game_file).walkthrough
         prompt = critic_prompt(
             self.tokenizer, task, walkthrough, messages, round_index, args.max_episode_steps, args.critic_step_chars
         )
@@ -433,25 +424,33 @@ class Runtime:
         return drift | train_step(self, datums, functools.partial(policy_loss, clip=self.args.ppo_clip))
 
 
-def critic_metrics(values_per_state: Sequence[Sequence[float | None]], targets: Sequence[float], corr_key: str) -> dict:
-    """The critic's samples on a batch of states (one target each): parse failure rate, mean |V - G| with a
-    failure counted as 1 (abs_error_mean) and over parsed samples only, and under `corr_key` the correlation of
-    each state's mean parsed estimate with its target."""
+def sample_critic(rt: Runtime, requests: Sequence[tuple[list[int] | None, int]]) -> list[list[common.Completion]]:
+    """n critic replies to each (prompt, n) in one sampler call; none to a prompt over budget (None, never sent)."""
+    batch = [prompt for prompt, n in requests if prompt is not None for _ in range(n)]
+    replies = iter(rt.sample_fn(batch, rt.args.max_critic_tokens) if batch else [])
+    return [[next(replies) for _ in range(n)] if prompt is not None else [] for prompt, n in requests]
+
+
+def critic_metrics(values_per_state, targets: Sequence[float], advantages_per_state, corr_key: str) -> dict:
+    """The critic on a batch of states, one target G each (no samples: prompt over budget): the targets' mean and std,
+    the share of sampled states whose centred rewards are all 0, the parse failure rate, mean |V - G| (a failure
+    counts as 1) and over parsed samples only, and under `corr_key` corr(each state's mean parsed estimate, G)."""
+    sampled = [advantages for advantages in advantages_per_state if advantages]
+    metrics = {
+        "critic/value_target_mean": statistics.fmean(targets) if targets else 0.0,
+        "critic/value_target_std": statistics.pstdev(targets) if targets else 0.0,
+        "critic/degenerate_group_rate": sum(map(is_degenerate, sampled)) / max(1, len(sampled)),
+    }
     errors = [e for values, g in zip(values_per_state, targets) for e in critic_errors(values, g)]
     if not errors:
-        return {}
-    parsed = [(v, g) for values, g in zip(values_per_state, targets) for v in values if v is not None]
-    metrics = {
-        "critic/parse_failure_rate": 1 - len(parsed) / len(errors),
-        "critic/abs_error_mean": statistics.fmean(errors),
-    }
+        return metrics
+    parsed_per_state = [([v for v in values if v is not None], g) for values, g in zip(values_per_state, targets)]
+    parsed = [(v, g) for values, g in parsed_per_state for v in values]
+    metrics["critic/parse_failure_rate"] = 1 - len(parsed) / len(errors)
+    metrics["critic/abs_error_mean"] = statistics.fmean(errors)
     if parsed:
         metrics["critic/abs_error_parsed_mean"] = statistics.fmean(abs(v - g) for v, g in parsed)
-    estimates = [
-        (statistics.fmean(v for v in values if v is not None), g)
-        for values, g in zip(values_per_state, targets)
-        if any(v is not None for v in values)
-    ]
+    estimates = [(statistics.fmean(values), g) for values, g in parsed_per_state if values]
     if len({v for v, _ in estimates}) > 1 and len({g for _, g in estimates}) > 1:
         metrics[corr_key] = statistics.correlation([v for v, _ in estimates], [g for _, g in estimates])
     return metrics
@@ -459,15 +458,9 @@ def critic_metrics(values_per_state: Sequence[Sequence[float | None]], targets: 
 
 def sample_row(traj: common.Trajectory, **extra) -> dict:
     """A readable trajectory segment for samples.jsonl."""
-    segment = traj.messages[len(traj.start.messages) :]
-    return {
-        "game": traj.start.game_file,
-        "round_index": traj.start.round_index,
-        "task": traj.start.task,
-        "stop_reason": traj.stop_reason,
-        "messages": segment,
-        **extra,
-    }
+    start = traj.start
+    row = dict(game=start.game_file, round_index=start.round_index, task=start.task, stop_reason=traj.stop_reason)
+    return row | {"messages": traj.messages[len(start.messages) :], **extra}
 
 
 # =============================================================================================
@@ -483,7 +476,7 @@ def warmup_update(rt: Runtime) -> tuple[dict, list[dict]]:
 
     # ---- Phase 1, step 2: the state at every H-turn boundary before the end (the start included), its target =
     # the trajectory's return (0/1 won); a state whose critic prompt is over budget is skipped
-    boundary_states, too_long = [], 0
+    states, too_long = [], 0  # (trajectory, critic prompt, target) per boundary state
     for traj in trajectories:
         for round_index in range(traj.start.round_index, traj.round_index, args.macro_rounds):
             messages = traj.messages[: len(traj.start.messages) + 2 * (round_index - traj.start.round_index)]
@@ -491,46 +484,25 @@ def warmup_update(rt: Runtime) -> tuple[dict, list[dict]]:
             if prompt is None:
                 too_long += 1
             else:
-                boundary_states.append((traj, prompt, 1.0 if traj.won else 0.0))
-    targets = [target for _, _, target in boundary_states]
+                states.append((traj, prompt, 1.0 if traj.won else 0.0))
+    prompts, targets = [prompt for _, prompt, _ in states], [target for _, _, target in states]
 
     # ---- Phase 1, step 3: K critic samples per boundary state, reward -|V - G| / r_max centred within the K
-    K = args.critic_samples
-    batch = [prompt for _, prompt, _ in boundary_states for _ in range(K)]
-    replies = rt.sample_fn(batch, args.max_critic_tokens) if batch else []
-    datums, values_per_state, degenerate = [], [], 0
-    for i, (_, prompt, target) in enumerate(boundary_states):
-        group_replies = replies[i * K : (i + 1) * K]
-        values = [parse_value(r.text) for r in group_replies]
-        values_per_state.append(values)
-        _, advantages = critic_signals(values, target, args.r_max)
-        if is_degenerate(advantages):
-            degenerate += 1
-            continue
-        datums += [critic_datum(prompt, reply, a) for reply, a in zip(group_replies, advantages)]
+    replies = sample_critic(rt, [(prompt, args.critic_samples) for prompt in prompts])
+    values, advantages, datums = score_critic(prompts, replies, targets, args.r_max)
     t_critic = time.time()
 
     # ---- Phase 1, step 4: update the critic only
-    metrics = rt.train(datums)
-    metrics.update(rollout_metrics(trajectories))
-    metrics.update(critic_metrics(values_per_state, targets, "critic/value_corr"))
-    metrics.update(
-        {
-            "warmup/success_rate": sum(t.won for t in trajectories) / max(1, len(trajectories)),
-            "warmup/boundary_states": Count(len(boundary_states) + too_long),
-            "critic/prompt_too_long_rate": too_long / max(1, len(boundary_states) + too_long),
-            "critic/value_target_mean": statistics.fmean(targets) if targets else 0.0,
-            "critic/value_target_std": statistics.pstdev(targets) if targets else 0.0,
-            "critic/degenerate_group_rate": degenerate / max(1, len(boundary_states)),
-            "time/rollout": t_rollout - t0,
-            "time/critic": t_critic - t_rollout,
-            "time/update": time.time() - t_critic,
-        }
-    )
-    samples = []
-    if boundary_states:
-        samples.append(sample_row(boundary_states[0][0], critic_reply=replies[0].text, value_target=targets[0]))
-    return metrics, samples
+    metrics = rt.train(datums) | rollout_metrics(trajectories)
+    metrics |= critic_metrics(values, targets, advantages, "critic/value_corr") | {
+        "warmup/success_rate": sum(t.won for t in trajectories) / max(1, len(trajectories)),
+        "warmup/boundary_states": Count(len(states) + too_long),
+        "critic/prompt_too_long_rate": too_long / max(1, len(states) + too_long),
+        "time/rollout": t_rollout - t0,
+        "time/critic": t_critic - t_rollout,
+        "time/update": time.time() - t_critic,
+    }
+    return metrics, [sample_row(traj, critic_reply=replies[0][0].text, value_target=g) for traj, _, g in states[:1]]
 
 
 # =============================================================================================
@@ -544,21 +516,14 @@ def has_room(traj: common.Trajectory, args: Args) -> bool:
 def prefix_weights(rt: Runtime, starts: Sequence[common.SavedState]) -> list[float | None]:
     """exp(log p_now(prefix) - log p_old(prefix)) over the prefix's generated tokens, clipped to
     [1 / max, max]; None for a state without generated tokens (a fresh game: nothing to correct)."""
+    args, bound = rt.args, math.log(rt.args.prefix_is_max_weight)
     with_prefix = [i for i, s in enumerate(starts) if any(k >= 0 for k in s.prefix_step_ids)]
-    current = sequence_logprobs(
-        rt.model,
-        rt.accelerator,
-        [starts[i].prefix_tokens for i in with_prefix],
-        rt.args.temperature,
-        rt.tokenizer.pad_token_id,
-        rt.args.micro_batch_tokens,
-    )
+    rows, pad_id = [starts[i].prefix_tokens for i in with_prefix], rt.tokenizer.pad_token_id
+    current = sequence_logprobs(rt.model, rt.accelerator, rows, args.temperature, pad_id, args.micro_batch_tokens)
     weights: list[float | None] = [None] * len(starts)
     for i, logprobs in zip(with_prefix, current):
-        state = starts[i]
-        generated = zip(logprobs, state.prefix_logprobs, state.prefix_step_ids)
+        generated = zip(logprobs, starts[i].prefix_logprobs, starts[i].prefix_step_ids)
         log_ratio = sum(now - old for now, old, k in generated if k >= 0)
-        bound = math.log(rt.args.prefix_is_max_weight)
         weights[i] = math.exp(min(max(log_ratio, -bound), bound))
     return weights
 
@@ -587,23 +552,19 @@ def td_update(rt: Runtime) -> tuple[dict, list[dict]]:
     weights = prefix_weights(rt, live_starts) if args.prefix_is_correction else [None] * len(live_starts)
 
     # ---- Phase 2, step 5: critic targets: K samples on each start state, reward -|V - G| towards G = mean(R)
-    start_values = [[parse_value(r.text) for r in replies] for replies in critic.start_replies]
-    critic_advantages = [
-        critic_signals(values, target, args.r_max)[1] if values else []
-        for values, (_, target, _) in zip(start_values, signals)
-    ]
+    targets = [target for _, target, _ in signals]
+    start_values, critic_advantages, critic_datums = score_critic(
+        critic.start_prompts, critic.start_replies, targets, args.r_max
+    )
 
     # ---- Phase 2, step 6: one update, actor datums (saved prefix + segment) and critic datums (prompt + reply)
     datums = []
-    for g, group in enumerate(live_groups):
-        scale = 1.0 if weights[g] is None else weights[g]
-        if not is_degenerate(signals[g][2]):
-            datums += trajectory_datums(group, [[a * scale] * len(t.steps) for t, a in zip(group, signals[g][2])])
-        if critic_advantages[g] and not is_degenerate(critic_advantages[g]):
-            replies = critic.start_replies[g]
-            datums += [critic_datum(critic.start_prompts[g], r, a) for r, a in zip(replies, critic_advantages[g])]
+    for group, (_, _, advantages), weight in zip(live_groups, signals, weights):
+        if not is_degenerate(advantages):
+            scale = 1.0 if weight is None else weight
+            datums += trajectory_datums(group, [[a * scale] * len(t.steps) for t, a in zip(group, advantages)])
     t_critic = time.time()
-    metrics = rt.train(datums)
+    metrics = rt.train(datums + critic_datums)
     t_update = time.time()
 
     # ---- Phase 2, step 7: endpoints with room for another turn (and a critic prompt within budget, so they can be
@@ -612,7 +573,7 @@ def td_update(rt: Runtime) -> tuple[dict, list[dict]]:
     for traj in stored:
         rt.store.add(traj.saved_state())
 
-    metrics |= td_metrics(rt, live_starts, live_groups, critic, signals, weights, start_values, critic_advantages)
+    metrics |= td_metrics(rt, live_groups, critic, signals, weights, start_values, critic_advantages)
     metrics |= {
         "td/fresh_states": Count(fresh),
         "td/new_endpoints": Count(len(stored)),
@@ -645,33 +606,25 @@ def critic_pass(rt: Runtime, starts: Sequence[common.SavedState], groups) -> Cri
     endpoints = [t for group in groups for t in group if t.stop_reason == common.STOP_HORIZON]
     endpoint_prompts = [rt.critic_prompt(t.start.game_file, t.start.task, t.messages, t.round_index) for t in endpoints]
     start_prompts = [rt.critic_prompt(s.game_file, s.task, s.messages, s.round_index) for s in starts]
-    batch = [p for p in endpoint_prompts if p is not None for _ in range(E)]
-    batch += [p for p in start_prompts if p is not None for _ in range(K)]
-    replies = iter(rt.sample_fn(batch, rt.args.max_critic_tokens) if batch else [])
-    values, failures = [], 0
-    for prompt in endpoint_prompts:
-        samples = [parse_value(next(replies).text) for _ in range(E)] if prompt is not None else []
-        parsed = [v for v in samples if v is not None]
-        failures += len(samples) - len(parsed)
-        values.append(statistics.fmean(parsed) if parsed else 0.0)
-    start_replies = [[next(replies) for _ in range(K)] if p is not None else [] for p in start_prompts]
-    endpoint_values = iter(values)
+    replies = sample_critic(rt, [(p, E) for p in endpoint_prompts] + [(p, K) for p in start_prompts])
+    parsed = [[v for v in (parse_value(r.text) for r in group) if v is not None] for group in replies[: len(endpoints)]]
+    failures = sum(len(group) - len(values) for group, values in zip(replies, parsed))
+    endpoint_values = iter([statistics.fmean(values) if values else 0.0 for values in parsed])
     branch_values = [
         [next(endpoint_values) if t.stop_reason == common.STOP_HORIZON else None for t in group] for group in groups
     ]
-    return CriticPass(branch_values, endpoints, endpoint_prompts, start_prompts, start_replies, failures)
+    return CriticPass(branch_values, endpoints, endpoint_prompts, start_prompts, replies[len(endpoints) :], failures)
 
 
-def td_metrics(rt, starts, groups, critic: CriticPass, signals, weights, start_values, critic_advantages) -> dict:
+def td_metrics(rt, groups, critic: CriticPass, signals, weights, start_values, critic_advantages) -> dict:
     trajectories = [traj for group in groups for traj in group]
-    value_targets = [target for _, target, _ in signals]
-    sent = [(values, target) for values, target in zip(start_values, value_targets) if values]
+    targets = [target for _, target, _ in signals]
     zero_reward_gaps = []
     for group, values in zip(groups, critic.branch_values):
         zero = [v for v, t in zip(values, group) if v is not None and t.reward == 0]
         zero_reward_gaps.append(statistics.pstdev(zero) if len(zero) >= 2 else 0.0)
     metrics = rollout_metrics(trajectories)
-    metrics |= critic_metrics([v for v, _ in sent], [g for _, g in sent], "critic/td_target_corr")
+    metrics |= critic_metrics(start_values, targets, critic_advantages, "critic/td_target_corr")
     parsed_weights = [w for w in weights if w is not None]
     if parsed_weights:
         metrics["td/prefix_is_weight_mean"] = statistics.fmean(parsed_weights)
@@ -683,9 +636,6 @@ def td_metrics(rt, starts, groups, critic: CriticPass, signals, weights, start_v
     return metrics | {
         "critic/endpoint_parse_failures": Count(critic.endpoint_failures),
         "critic/prompt_too_long_rate": sum(p is None for p in prompts) / max(1, len(prompts)),
-        "critic/value_target_mean": statistics.fmean(value_targets) if value_targets else 0.0,
-        "critic/value_target_std": statistics.pstdev(value_targets) if value_targets else 0.0,
-        "critic/degenerate_group_rate": sum(is_degenerate(a) for a in critic_advantages if a) / max(1, len(sent)),
         "actor/segment_reward_mean": statistics.fmean(t.reward for t in trajectories) if trajectories else 0.0,
         "actor/degenerate_group_rate": sum(is_degenerate(a) for _, _, a in signals) / max(1, len(groups)),
         "actor/macro_boundary_rate": len(critic.endpoints) / max(1, len(trajectories)),
@@ -719,8 +669,7 @@ POSTFIX_KEYS = ("critic/abs_error_mean", "critic/value_corr", "rollout/success_r
 
 
 def make_runtime(args: Args, accelerator) -> Runtime:
-    """This process's shard of the training games (checked before the model loads), model, optimizer, chat
-    protocol, samplers and an empty state store."""
+    """What runtime_parts builds (games shard, model, optimizer, protocol, samplers) and an empty state store."""
     return Runtime(
         **runtime_parts(args, accelerator),
         store=StateStore(args.state_store_capacity),
