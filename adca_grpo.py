@@ -382,10 +382,7 @@ def suffix_sum(step_rewards: Sequence[Sequence[float]]) -> list[list[float]]:
 
 
 def step_advantages(
-    orm_scores: Sequence[float],
-    step_flags: Sequence[Sequence[bool]],
-    group_ids: Sequence[int],
-    decouple: dict | None,
+    orm_scores: Sequence[float], step_flags: Sequence[Sequence[bool]], group_ids: Sequence[int], decouple: dict | None
 ) -> list[list[float]]:
     """The advantage of every step. decouple=None: plain multi-turn GRPO, every step gets its episode's
     GRPO outcome advantage, whatever the decouple settings say. Otherwise: suffix sums of the decouple's step
@@ -478,12 +475,7 @@ def build_label_messages(
     lines = [f"TASK AND FIRST OBSERVATION:\n{_trim(first_observation.strip(), max_step_chars)}", ""]
     lines.append(f"STEPS ({len(steps)} in total):")
     for j, (reply, answer) in enumerate(steps, start=1):
-        lines += [
-            f"Step {j}",
-            f"Agent: {_trim(reply, max_step_chars)}",
-            f"Game: {_trim(answer, max_step_chars)}",
-            "",
-        ]
+        lines += [f"Step {j}", f"Agent: {_trim(reply, max_step_chars)}", f"Game: {_trim(answer, max_step_chars)}", ""]
     lines += [
         f"OUTCOME: {outcome:+.4f} ({polarity})",
         "",
@@ -539,22 +531,18 @@ class ApiLabeler:
         self.concurrency = concurrency or args.labeler_concurrency  # this process's share of the bound
         self.circuit_opened = False  # in the last call
 
-    def client(self) -> openai.AsyncOpenAI:
+    def client(self, kind=openai.AsyncOpenAI):
+        """The endpoint's client (async for labelling, openai.OpenAI for the start-up check); its retries are ours."""
         args = self.args
-        return openai.AsyncOpenAI(
-            base_url=args.labeler_base_url, api_key=self.api_key, max_retries=0, timeout=args.labeler_timeout_s
-        )
+        return kind(base_url=args.labeler_base_url, api_key=self.api_key, max_retries=0, timeout=args.labeler_timeout_s)
 
     def check_endpoint(self) -> None:
         """At start, before the model loads: the endpoint answers, serves --labeler-model (when it lists its
         models) and one tiny request works. Raises one clear ValueError otherwise."""
-        asyncio.run(self._check_endpoint())
-
-    async def _check_endpoint(self) -> None:
         model, url = self.args.labeler_model, self.args.labeler_base_url
-        async with self.client() as client:
+        with self.client(openai.OpenAI) as client:
             try:
-                served = [served_model.id for served_model in (await client.models.list()).data]
+                served = [served_model.id for served_model in client.models.list().data]
             except openai.APIConnectionError as error:
                 raise ValueError(f"--labeler-base-url {url}: cannot reach the labeller ({error})") from error
             except openai.NotFoundError:
@@ -565,7 +553,7 @@ class ApiLabeler:
                 raise ValueError(f"--labeler-model {model} is not served by {url} (it serves {served})")
             try:
                 test = [{"role": "user", "content": "Reply with OK."}]
-                await client.chat.completions.create(model=model, messages=test, temperature=0.0, max_tokens=1)
+                client.chat.completions.create(model=model, messages=test, temperature=0.0, max_tokens=1)
             except Exception as error:  # noqa: BLE001 - any failure here means the labeller cannot work
                 raise ValueError(
                     f"--labeler-base-url {url}: a one-token test request to --labeler-model {model} "
@@ -634,15 +622,13 @@ class ApiLabeler:
     async def _complete(
         self, client: openai.AsyncOpenAI, messages: list[dict], semaphore: asyncio.Semaphore, circuit: CircuitBreaker
     ) -> str:
+        args = self.args
         async with semaphore:  # held only while a request is in flight, never while backing off
             if circuit.open.is_set():  # it opened while this request waited for its turn
                 raise CircuitOpen
             try:  # counted before the next request may start
                 response = await client.chat.completions.create(
-                    model=self.args.labeler_model,
-                    messages=messages,
-                    temperature=0.0,
-                    max_tokens=self.args.labeler_max_new_tokens,
+                    model=args.labeler_model, messages=messages, temperature=0.0, max_tokens=args.labeler_max_new_tokens
                 )
             except Exception as exc:
                 circuit.record(
@@ -678,9 +664,7 @@ class PolicyLabeler:
     """The policy model itself labels, greedily, in-process (no key needed). The labels are context
     for the advantages only: their tokens never enter a training batch."""
 
-    def __init__(
-        self, generate_greedy: Callable[[list[list[int]], int], list[common.Completion]], tokenizer, args: Args
-    ):
+    def __init__(self, generate_greedy: common.SampleFn, tokenizer, args: Args):
         self.generate_greedy, self.tokenizer, self.args = generate_greedy, tokenizer, args
         self.model_name = f"self:{args.model}"
 
@@ -907,32 +891,26 @@ class Runtime:
 def make_runtime(args: Args, accelerator) -> Runtime:
     """Labeller (an api one checks its key and its endpoint, and gets this process's share of --labeler-concurrency),
     this process's training games, then the model, samplers and label log."""
-    api_labeler = None
-    if needs_labels(args) and labeler_backend(args) == "api":
-        rank, processes = accelerator.process_index, accelerator.num_processes
-        if args.labeler_concurrency < processes:
-            raise ValueError(
+    rank, processes = accelerator.process_index, accelerator.num_processes
+    backend = labeler_backend(args) if needs_labels(args) else None
+    labeler = label_log = None
+    if backend == "api":
+        check(
+            (
+                args.labeler_concurrency >= processes,
                 f"--labeler-concurrency ({args.labeler_concurrency}) must be >= the number of processes "
-                f"({processes}): it bounds all of them together"
+                f"({processes}): it bounds all of them together",
             )
-        api_labeler = ApiLabeler(
+        )
+        labeler = ApiLabeler(
             args, args.labeler_concurrency // processes + (rank < args.labeler_concurrency % processes)
         )
-        api_labeler.check_endpoint()
-    label_log = None
+        labeler.check_endpoint()
     if args.labeler_log_dir:
-        label_log = (
-            require_writable_dir(args.labeler_log_dir, "--labeler-log-dir")
-            / f"labels_rank{accelerator.process_index}.jsonl"
-        )
+        label_log = require_writable_dir(args.labeler_log_dir, "--labeler-log-dir") / f"labels_rank{rank}.jsonl"
     parts = runtime_parts(args, accelerator)
-    labeler = None
-    if needs_labels(args):
-        labeler = api_labeler or (
-            oracle_labeler
-            if labeler_backend(args) == "oracle"
-            else PolicyLabeler(parts["greedy_fn"], parts["tokenizer"], args)
-        )
+    if backend in ("self", "oracle"):
+        labeler = oracle_labeler if backend == "oracle" else PolicyLabeler(parts["greedy_fn"], parts["tokenizer"], args)
     return Runtime(**parts, labeler=labeler, label_log=label_log)
 
 
@@ -947,13 +925,10 @@ def group_metrics(groups: Sequence[Sequence[common.Trajectory]]) -> dict:
 
 
 def policy_logprobs(rt: Runtime, datums: Sequence[Datum]) -> list[list[float]]:
+    """The current policy's per-token logprobs of the datums (no gradient)."""
+    args, tokens = rt.args, [d.tokens for d in datums]
     return sequence_logprobs(
-        rt.model,
-        rt.accelerator,
-        [d.tokens for d in datums],
-        rt.args.temperature,
-        rt.tokenizer.pad_token_id,
-        rt.args.micro_batch_tokens,
+        rt.model, rt.accelerator, tokens, args.temperature, rt.tokenizer.pad_token_id, args.micro_batch_tokens
     )
 
 
@@ -1011,7 +986,7 @@ def ppo_update(rt: Runtime, datums: list[Datum]) -> dict:
     for _ in range(args.ppo_epochs):
         order = random.sample(range(len(datums)), len(datums)) if args.mini_batches > 1 else range(len(datums))
         for part in range(args.mini_batches):
-            per_step.append(train_step(rt, [datums[i] for i in list(order)[part :: args.mini_batches]], loss_fn))
+            per_step.append(train_step(rt, [datums[i] for i in order[part :: args.mini_batches]], loss_fn))
     merged = {key: math.fsum(m.get(key, 0.0) for m in per_step) / steps for key in per_step[0]}
     merged["train/tokens"] = math.fsum(m["train/tokens"] for m in per_step) / args.ppo_epochs
     merged["train/nonfinite_skipped"] = math.fsum(m["train/nonfinite_skipped"] for m in per_step)
@@ -1089,15 +1064,9 @@ def label_steps(rt: Runtime, update: int, labelling: bool, trajectories, outcome
     if rt.labeler is oracle_labeler:
         step_flags, label_metrics = oracle_labeler(trajectories, outcome_advantages, orm_scores, args)
     else:
+        rank = rt.accelerator.process_index
         step_flags, label_metrics = label_trajectories(
-            trajectories,
-            outcome_advantages,
-            orm_scores,
-            rt.labeler,
-            args,
-            update,
-            rt.accelerator.process_index,
-            rt.label_log,
+            trajectories, outcome_advantages, orm_scores, rt.labeler, args, update, rank, rt.label_log
         )
     return step_flags, metrics | label_metrics
 
@@ -1124,20 +1093,10 @@ def add_reference_kl(rt: Runtime, datums: list[Datum]) -> dict:
 # =============================================================================================
 # fork 6: main: the number of updates, RESUME_MAY_CHANGE, POSTFIX_KEYS
 # Flags that only extend a run, or change how the labeller is reached rather than who labels.
-RESUME_MAY_CHANGE = (
-    "num_updates",
-    "labeler_base_url",
-    "labeler_api_key_env",
-    "labeler_concurrency",
-    "labeler_timeout_s",
-    "labeler_deadline_s",
-    "labeler_max_attempts",
-    "labeler_circuit_failures",
-    "labeler_rate_limit_backoff_s",
-    "labeler_rate_limit_backoff_cap_s",
-    "labeler_error_backoff_s",
-    "labeler_error_backoff_cap_s",
-    "labeler_log_dir",
+RESUME_MAY_CHANGE = tuple(
+    "num_updates labeler_base_url labeler_api_key_env labeler_concurrency labeler_timeout_s labeler_deadline_s "
+    "labeler_max_attempts labeler_circuit_failures labeler_rate_limit_backoff_s labeler_rate_limit_backoff_cap_s "
+    "labeler_error_backoff_s labeler_error_backoff_cap_s labeler_log_dir".split()
 )
 POSTFIX_KEYS = ("rollout/success_rate", "prm/good_rate", "prm/label_failures", "train/loss")
 
