@@ -439,9 +439,7 @@ def parse_judgments(text: str, num_steps: int) -> list[bool] | None:
         step = int(match.group(1)) - 1
         if 0 <= step < num_steps:
             judgments[step] = match.group(2).upper() == "GOOD"
-    if len(judgments) != num_steps:
-        return None
-    return [judgments[j] for j in range(num_steps)]
+    return [judgments[j] for j in range(num_steps)] if len(judgments) == num_steps else None
 
 
 def _trim(text: str, limit: int) -> str:
@@ -450,16 +448,13 @@ def _trim(text: str, limit: int) -> str:
 
 def describe_steps(traj: common.Trajectory) -> list[tuple[str, str]]:
     """(the agent's whole reply, the game's answer) per step, as the labeller sees them."""
-    steps = []
-    for step in traj.steps:
+
+    def answer(step: common.StepRecord) -> str:
         if not step.valid:
-            answer = "Invalid format: no action was sent, the game did not advance."
-        elif not step.admissible:
-            answer = f"Not an admissible action. {step.observation}"
-        else:
-            answer = step.observation
-        steps.append((step.text.strip(), answer))
-    return steps
+            return "Invalid format: no action was sent, the game did not advance."
+        return step.observation if step.admissible else f"Not an admissible action. {step.observation}"
+
+    return [(step.text.strip(), answer(step)) for step in traj.steps]
 
 
 def outcome_score(orm_score: float) -> float:
@@ -782,15 +777,12 @@ def oracle_labeler(
 def validate_args(args: Args) -> None:
     validate_model_args(args)  # the shared flags, and every Literal flag's choices
     check_bounds(args, ">= 1", "num_updates", "games_per_update", "max_turns", "max_turn_tokens", "ppo_epochs")
-    check_bounds(
-        args, ">= 1", "mini_batches", "labeler_concurrency", "labeler_max_attempts", "labeler_circuit_failures"
-    )
-    check_bounds(args, ">= 1", "labeler_max_step_chars", "labeler_max_new_tokens")
+    check_bounds(args, ">= 1", "mini_batches", "labeler_concurrency", "labeler_max_attempts", "labeler_max_new_tokens")
+    check_bounds(args, ">= 1", "labeler_circuit_failures", "labeler_max_step_chars")
     check_bounds(args, "> 0", "clip_eps_high", "fix_base", "labeler_timeout_s", "labeler_deadline_s")
-    check_bounds(args, ">= 0", "kl_beta", "kl_loss_coef", "alpha", "prm_steps", "labeler_rate_limit_backoff_s")
-    check_bounds(
-        args, ">= 0", "labeler_rate_limit_backoff_cap_s", "labeler_error_backoff_s", "labeler_error_backoff_cap_s"
-    )
+    check_bounds(args, ">= 0", "kl_beta", "kl_loss_coef", "alpha", "prm_steps", "labeler_error_backoff_s")
+    check_bounds(args, ">= 0", "labeler_error_backoff_cap_s", "labeler_rate_limit_backoff_s")
+    check_bounds(args, ">= 0", "labeler_rate_limit_backoff_cap_s")
     check(
         (
             args.trajectories_per_game >= 2,
