@@ -826,14 +826,9 @@ def labelling_at(update: int, args: Args) -> bool:
 
 
 def decouple_settings(args: Args, update: int) -> dict:
-    """decouple_step_rewards' keyword arguments for update `update` (1-based)."""
-    return dict(
-        fix_base=args.fix_base,
-        alpha=alpha_at(update - 1, args),
-        orm_distribution=args.orm_distribution,
-        equal_trajectory_weight=args.equal_trajectory_weight,
-        length_normalization=args.length_normalization,
-    )
+    """decouple_step_rewards' keyword arguments for update `update` (1-based): the decouple flags, and alpha now."""
+    flags = ("fix_base", "orm_distribution", "equal_trajectory_weight", "length_normalization")
+    return {flag: getattr(args, flag) for flag in flags} | {"alpha": alpha_at(update - 1, args)}
 
 
 def trained_decouple(args: Args, update: int) -> dict | None:
