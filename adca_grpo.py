@@ -889,9 +889,8 @@ def make_runtime(args: Args, accelerator) -> Runtime:
                 f"({processes}): it bounds all of them together",
             )
         )
-        labeler = ApiLabeler(
-            args, args.labeler_concurrency // processes + (rank < args.labeler_concurrency % processes)
-        )
+        share = args.labeler_concurrency // processes + (rank < args.labeler_concurrency % processes)
+        labeler = ApiLabeler(args, share)
         labeler.check_endpoint()
     if args.labeler_log_dir:
         label_log = require_writable_dir(args.labeler_log_dir, "--labeler-log-dir") / f"labels_rank{rank}.jsonl"
@@ -1018,8 +1017,7 @@ def adca_update(rt: Runtime, update: int) -> tuple[dict, list[dict]]:
     t_update = time.time()
 
     metrics |= rollout_metrics(trajectories) | group_metrics(groups)
-    generated = [a for advantages in advantages_per_step for a in advantages]
-    metrics["train/step_advantage_abs_mean"] = math.fsum(abs(a) for a in generated) / max(1, len(generated))
+    metrics["train/step_advantage_abs_mean"] = _mean([abs(a) for row in advantages_per_step for a in row])
     metrics |= {"time/rollout": t_rollout - t0, "time/label": t_label - t_rollout, "time/update": t_update - t_label}
     return metrics, update_samples(trajectories[:2], outcome_advantages, step_flags, advantages_per_step)
 
@@ -1072,7 +1070,7 @@ def add_reference_kl(rt: Runtime, datums: list[Datum]) -> dict:
             if trained:
                 log_ratios.append(datum.old_logprobs[t] - ref[t])
                 datum.advantages[t] -= args.kl_beta * log_ratios[-1]
-    return {"train/kl": math.fsum(log_ratios) / max(1, len(log_ratios))}
+    return {"train/kl": _mean(log_ratios)}
 
 
 # =============================================================================================
