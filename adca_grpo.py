@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -220,35 +221,44 @@ class Args:
 EPS = 1e-8
 
 
-def grpo_advantages(orm_scores: Sequence[float], group_ids: Sequence[int]) -> list[float]:
-    """The plain GRPO baseline's outcome advantage, as veRL computes it for AgentEvolver's trainer:
-    (score - group mean) / (unbiased group std + 1e-6); a group of one is left as it is (mean 0, std 1)."""
+def groups_of(group_ids: Sequence[int]) -> list[list[int]]:
+    """The indices of each group's members, groups in order of first appearance."""
     members = defaultdict(list)
     for i, group in enumerate(group_ids):
         members[group].append(i)
+    return list(members.values())
+
+
+def within_groups(orm_scores: Sequence[float], group_ids: Sequence[int], normalize) -> list[float]:
+    """normalize(a group's scores) -> their advantages, for every group."""
     advantages = [0.0] * len(orm_scores)
-    for idxs in members.values():
-        scores = [float(orm_scores[i]) for i in idxs]
-        mean, std = (math.fsum(scores) / len(scores), statistics.stdev(scores)) if len(scores) > 1 else (0.0, 1.0)
-        for i, score in zip(idxs, scores):
-            advantages[i] = (score - mean) / (std + 1e-6)
+    for idxs in groups_of(group_ids):
+        for i, advantage in zip(idxs, normalize([float(orm_scores[i]) for i in idxs])):
+            advantages[i] = advantage
     return advantages
+
+
+def grpo_advantages(orm_scores: Sequence[float], group_ids: Sequence[int]) -> list[float]:
+    """The plain GRPO baseline's outcome advantage, as veRL computes it for AgentEvolver's trainer:
+    (score - group mean) / (unbiased group std + 1e-6); a group of one is left as it is (mean 0, std 1)."""
+
+    def normalize(scores):
+        mean, std = (math.fsum(scores) / len(scores), statistics.stdev(scores)) if len(scores) > 1 else (0.0, 1.0)
+        return [(score - mean) / (std + 1e-6) for score in scores]
+
+    return within_groups(orm_scores, group_ids, normalize)
 
 
 def group_outcome_advantages(orm_scores: Sequence[float], group_ids: Sequence[int]) -> list[float]:
     """The decouple's outcome term: z-score of the outcome within its group, population std (only centred
     when the group's outcomes are all equal, so a uniform group gets exactly 0)."""
-    members = defaultdict(list)
-    for i, group in enumerate(group_ids):
-        members[group].append(i)
-    advantages = [0.0] * len(orm_scores)
-    for idxs in members.values():
-        scores = [float(orm_scores[i]) for i in idxs]
+
+    def normalize(scores):
         mean = math.fsum(scores) / len(scores)
         std = math.sqrt(math.fsum((s - mean) ** 2 for s in scores) / len(scores))  # population std
-        for i, score in zip(idxs, scores):
-            advantages[i] = score - mean if std <= EPS else (score - mean) / (std + 1e-12)
-    return advantages
+        return [score - mean if std <= EPS else (score - mean) / (std + 1e-12) for score in scores]
+
+    return within_groups(orm_scores, group_ids, normalize)
 
 
 def _prm_zscores(
@@ -256,12 +266,9 @@ def _prm_zscores(
 ) -> list[list[float]]:
     """+fix_base for GOOD, -fix_base for BAD, z-scored within each group over its steps."""
     raw = [[fix_base if flag else -fix_base for flag in flags] for flags in step_flags]
-    members = defaultdict(list)
-    for i, group in enumerate(group_ids):
-        if raw[i]:
-            members[group].append(i)
     z = [[] for _ in raw]
-    for idxs in members.values():
+    for idxs in groups_of(group_ids):
+        idxs = [i for i in idxs if raw[i]]
         if len({r for i in idxs for r in raw[i]}) == 1:
             for i in idxs:  # all labels equal: exactly 0 (the formula gives rounding noise / sqrt(eps))
                 z[i] = [0.0] * len(raw[i])
@@ -279,15 +286,6 @@ def _prm_zscores(
     return z
 
 
-def _check_decouple_inputs(orm_scores, step_flags, group_ids, orm_distribution):
-    if not len(orm_scores) == len(step_flags) == len(group_ids):
-        raise ValueError(
-            f"orm_scores, step_flags and group_ids differ in length: {len(orm_scores)}, {len(step_flags)}, {len(group_ids)}"
-        )
-    if orm_distribution not in ORM_DISTRIBUTIONS:
-        raise ValueError(f"unknown orm_distribution {orm_distribution!r}; expected one of {ORM_DISTRIBUTIONS}")
-
-
 def decouple_step_rewards(
     orm_scores: Sequence[float],
     step_flags: Sequence[Sequence[bool]],
@@ -302,15 +300,21 @@ def decouple_step_rewards(
     """AgentEvolver's `decouple` scheme: PRM labels and ORM outcomes are z-scored separately within
     each group, then fused per step: alpha * z_prm + the outcome advantage (on the last step, on every
     step, or nowhere with only_prm), optionally scaled by 1/sqrt(steps). A trajectory without steps gets []."""
-    _check_decouple_inputs(orm_scores, step_flags, group_ids, orm_distribution)
+    check(
+        (
+            len(orm_scores) == len(step_flags) == len(group_ids),
+            f"orm_scores, step_flags and group_ids differ in length: {len(orm_scores)}, {len(step_flags)}, "
+            f"{len(group_ids)}",
+        ),
+        (orm_distribution in ORM_DISTRIBUTIONS, f"unknown orm_distribution {orm_distribution!r}: {ORM_DISTRIBUTIONS}"),
+    )
     prm_z = _prm_zscores(step_flags, group_ids, fix_base, equal_trajectory_weight)
-    outcome_adv = group_outcome_advantages(orm_scores, group_ids)
     rewards = []
-    for z, adv in zip(prm_z, outcome_adv):
-        num_steps = len(z)
-        scale = 1.0 / math.sqrt(num_steps) if length_normalization and num_steps else 1.0
-        fused = [alpha * zj + adv * _outcome_on_step(orm_distribution, j, num_steps) for j, zj in enumerate(z)]
-        rewards.append([c * scale for c in fused])
+    for z, adv in zip(prm_z, group_outcome_advantages(orm_scores, group_ids)):
+        scale = 1.0 / math.sqrt(len(z)) if length_normalization and z else 1.0
+        rewards.append(
+            [(alpha * zj + adv * _outcome_on_step(orm_distribution, j, len(z))) * scale for j, zj in enumerate(z)]
+        )
     return rewards
 
 
@@ -320,33 +324,17 @@ def _outcome_on_step(orm_distribution: str, step: int, num_steps: int) -> float:
 
 
 def decouple_health_metrics(
-    orm_scores: Sequence[float],
-    step_flags: Sequence[Sequence[bool]],
-    group_ids: Sequence[int],
-    *,
-    fix_base: float,
-    alpha: float,
-    orm_distribution: str,
-    equal_trajectory_weight: bool,
-    length_normalization: bool,
+    orm_scores: Sequence[float], step_flags: Sequence[Sequence[bool]], group_ids: Sequence[int], **decouple
 ) -> dict[str, float]:
-    """AgentEvolver's decouple dashboard: how large the attribution term is next to the outcome term
-    and whether the labels agree with the outcomes. A trajectory is positive when its score is > 0."""
-    _check_decouple_inputs(orm_scores, step_flags, group_ids, orm_distribution)
-    prm_z = _prm_zscores(step_flags, group_ids, fix_base, equal_trajectory_weight)
+    """AgentEvolver's decouple dashboard (decouple: decouple_step_rewards' keyword arguments): how large the
+    attribution term is next to the outcome term and whether the labels agree with the outcomes. A trajectory is
+    positive when its score is > 0."""
+    fused = decouple_step_rewards(orm_scores, step_flags, group_ids, **decouple)
+    prm_z = _prm_zscores(step_flags, group_ids, decouple["fix_base"], decouple["equal_trajectory_weight"])
     outcome_adv = group_outcome_advantages(orm_scores, group_ids)
-    fused = decouple_step_rewards(
-        orm_scores,
-        step_flags,
-        group_ids,
-        fix_base=fix_base,
-        alpha=alpha,
-        orm_distribution=orm_distribution,
-        equal_trajectory_weight=equal_trajectory_weight,
-        length_normalization=length_normalization,
-    )
+    alpha, orm_distribution = decouple["alpha"], decouple["orm_distribution"]
     attr_values, out_values, shares, alpha_ratios, sign_agree = [], [], [], [], []
-    positives = positive_good_majority = negatives = negative_bad_majority = 0
+    good_majority_in_won, bad_majority_in_lost = [], []
     for i, z in enumerate(prm_z):
         if not z:
             continue
@@ -361,49 +349,40 @@ def decouple_health_metrics(
         sign_agree.append(float((math.fsum(fused[i]) > 0) == positive))
         num_good = sum(bool(f) for f in step_flags[i])
         if positive:
-            positives += 1
-            positive_good_majority += num_good > len(z) - num_good
+            good_majority_in_won.append(num_good > len(z) - num_good)
         else:
-            negatives += 1
-            negative_bad_majority += num_good <= len(z) - num_good
-
-    def mean(values):
-        return math.fsum(values) / len(values) if values else 0.0
-
-    def std(values):
-        m = mean(values)
-        return math.sqrt(mean([(v - m) ** 2 for v in values])) if values else 0.0
-
+            bad_majority_in_lost.append(num_good <= len(z) - num_good)
     return {
-        "prm/decouple/attr_mean": mean(attr_values),
-        "prm/decouple/attr_std": std(attr_values),
-        "prm/decouple/out_mean": mean(out_values),
-        "prm/decouple/out_std": std(out_values),
-        "prm/decouple/outcome_share_last_mean": mean(shares),
-        "prm/decouple/alpha_effective": mean(alpha_ratios),
-        "prm/decouple/sum_step_reward_sign_agree": mean(sign_agree),
-        "prm/decouple/pos_traj_prm_good_majority_rate": positive_good_majority / max(1, positives),
-        "prm/decouple/neg_traj_prm_bad_majority_rate": negative_bad_majority / max(1, negatives),
+        "prm/decouple/attr_mean": _mean(attr_values),
+        "prm/decouple/attr_std": _std(attr_values),
+        "prm/decouple/out_mean": _mean(out_values),
+        "prm/decouple/out_std": _std(out_values),
+        "prm/decouple/outcome_share_last_mean": _mean(shares),
+        "prm/decouple/alpha_effective": _mean(alpha_ratios),
+        "prm/decouple/sum_step_reward_sign_agree": _mean(sign_agree),
+        "prm/decouple/pos_traj_prm_good_majority_rate": _mean(good_majority_in_won),
+        "prm/decouple/neg_traj_prm_bad_majority_rate": _mean(bad_majority_in_lost),
     }
+
+
+def _mean(values: Sequence[float]) -> float:
+    """The mean; 0 for no values."""
+    return math.fsum(values) / len(values) if values else 0.0
+
+
+def _std(values: Sequence[float]) -> float:
+    """The population standard deviation; 0 for no values."""
+    mean = _mean(values)
+    return math.sqrt(_mean([(v - mean) ** 2 for v in values]))
 
 
 def suffix_sum(step_rewards: Sequence[Sequence[float]]) -> list[list[float]]:
     """Advantage of step j = sum of the step rewards from j to the end: [1, 2, 3] -> [6, 5, 3]."""
-    out = []
-    for rewards in step_rewards:
-        sums, running = [], 0.0
-        for reward in reversed(rewards):
-            running += reward
-            sums.append(running)
-        out.append(sums[::-1])
-    return out
+    return [list(itertools.accumulate(reversed(rewards)))[::-1] for rewards in step_rewards]
 
 
 def step_advantages(
-    orm_scores: Sequence[float],
-    step_flags: Sequence[Sequence[bool]],
-    group_ids: Sequence[int],
-    decouple: dict | None,
+    orm_scores: Sequence[float], step_flags: Sequence[Sequence[bool]], group_ids: Sequence[int], decouple: dict | None
 ) -> list[list[float]]:
     """The advantage of every step. decouple=None: plain multi-turn GRPO, every step gets its episode's
     GRPO outcome advantage, whatever the decouple settings say. Otherwise: suffix sums of the decouple's step
@@ -460,9 +439,7 @@ def parse_judgments(text: str, num_steps: int) -> list[bool] | None:
         step = int(match.group(1)) - 1
         if 0 <= step < num_steps:
             judgments[step] = match.group(2).upper() == "GOOD"
-    if len(judgments) != num_steps:
-        return None
-    return [judgments[j] for j in range(num_steps)]
+    return [judgments[j] for j in range(num_steps)] if len(judgments) == num_steps else None
 
 
 def _trim(text: str, limit: int) -> str:
@@ -471,16 +448,13 @@ def _trim(text: str, limit: int) -> str:
 
 def describe_steps(traj: common.Trajectory) -> list[tuple[str, str]]:
     """(the agent's whole reply, the game's answer) per step, as the labeller sees them."""
-    steps = []
-    for step in traj.steps:
+
+    def answer(step: common.StepRecord) -> str:
         if not step.valid:
-            answer = "Invalid format: no action was sent, the game did not advance."
-        elif not step.admissible:
-            answer = f"Not an admissible action. {step.observation}"
-        else:
-            answer = step.observation
-        steps.append((step.text.strip(), answer))
-    return steps
+            return "Invalid format: no action was sent, the game did not advance."
+        return step.observation if step.admissible else f"Not an admissible action. {step.observation}"
+
+    return [(step.text.strip(), answer(step)) for step in traj.steps]
 
 
 def outcome_score(orm_score: float) -> float:
@@ -496,12 +470,7 @@ def build_label_messages(
     lines = [f"TASK AND FIRST OBSERVATION:\n{_trim(first_observation.strip(), max_step_chars)}", ""]
     lines.append(f"STEPS ({len(steps)} in total):")
     for j, (reply, answer) in enumerate(steps, start=1):
-        lines += [
-            f"Step {j}",
-            f"Agent: {_trim(reply, max_step_chars)}",
-            f"Game: {_trim(answer, max_step_chars)}",
-            "",
-        ]
+        lines += [f"Step {j}", f"Agent: {_trim(reply, max_step_chars)}", f"Game: {_trim(answer, max_step_chars)}", ""]
     lines += [
         f"OUTCOME: {outcome:+.4f} ({polarity})",
         "",
@@ -557,35 +526,32 @@ class ApiLabeler:
         self.concurrency = concurrency or args.labeler_concurrency  # this process's share of the bound
         self.circuit_opened = False  # in the last call
 
+    def client(self, kind=openai.AsyncOpenAI):
+        """The endpoint's client (async for labelling, openai.OpenAI for the start-up check); its retries are ours."""
+        args = self.args
+        return kind(base_url=args.labeler_base_url, api_key=self.api_key, max_retries=0, timeout=args.labeler_timeout_s)
+
     def check_endpoint(self) -> None:
         """At start, before the model loads: the endpoint answers, serves --labeler-model (when it lists its
         models) and one tiny request works. Raises one clear ValueError otherwise."""
-        asyncio.run(self._check_endpoint())
-
-    async def _check_endpoint(self) -> None:
-        args, url = self.args, self.args.labeler_base_url
-        client = openai.AsyncOpenAI(base_url=url, api_key=self.api_key, max_retries=0, timeout=args.labeler_timeout_s)
-        async with client:
+        model, url = self.args.labeler_model, self.args.labeler_base_url
+        with self.client(openai.OpenAI) as client:
             try:
-                served = [model.id for model in (await client.models.list()).data]
+                served = [served_model.id for served_model in client.models.list().data]
             except openai.APIConnectionError as error:
                 raise ValueError(f"--labeler-base-url {url}: cannot reach the labeller ({error})") from error
             except openai.NotFoundError:
                 served = None  # no /models route: the request below decides
             except openai.APIStatusError as error:
                 raise ValueError(f"--labeler-base-url {url}: /models answered {error.status_code} ({error})") from error
-            if served is not None and args.labeler_model not in served:
-                raise ValueError(f"--labeler-model {args.labeler_model} is not served by {url} (it serves {served})")
+            if served is not None and model not in served:
+                raise ValueError(f"--labeler-model {model} is not served by {url} (it serves {served})")
             try:
-                await client.chat.completions.create(
-                    model=args.labeler_model,
-                    messages=[{"role": "user", "content": "Reply with OK."}],
-                    temperature=0.0,
-                    max_tokens=1,
-                )
+                test = [{"role": "user", "content": "Reply with OK."}]
+                client.chat.completions.create(model=model, messages=test, temperature=0.0, max_tokens=1)
             except Exception as error:  # noqa: BLE001 - any failure here means the labeller cannot work
                 raise ValueError(
-                    f"--labeler-base-url {url}: a one-token test request to --labeler-model {args.labeler_model} "
+                    f"--labeler-base-url {url}: a one-token test request to --labeler-model {model} "
                     f"failed ({type(error).__name__}: {error})"
                 ) from error
 
@@ -596,15 +562,13 @@ class ApiLabeler:
     async def _label_all(self, requests: Sequence[LabelRequest]) -> list[LabelReply]:
         args = self.args
         deadline = asyncio.get_running_loop().time() + args.labeler_deadline_s
-        semaphore = asyncio.Semaphore(self.concurrency)
-        circuit = CircuitBreaker(args.labeler_circuit_failures)
-        client = openai.AsyncOpenAI(base_url=args.labeler_base_url, api_key=self.api_key, max_retries=0)
-        async with client:
+        semaphore, circuit = asyncio.Semaphore(self.concurrency), CircuitBreaker(args.labeler_circuit_failures)
+        async with self.client() as client:
             replies = await asyncio.gather(
                 *(self._label_one(client, r, semaphore, deadline, circuit) for r in requests)
             )
-        if circuit.open.is_set():
-            self.circuit_opened = True
+        self.circuit_opened = circuit.open.is_set()
+        if self.circuit_opened:
             print(
                 f"\n[labeller] WARNING: {args.labeler_circuit_failures} connection failures in a row to "
                 f"{args.labeler_base_url}: circuit open, {sum(r.text is None for r in replies)} of {len(replies)} "
@@ -613,19 +577,53 @@ class ApiLabeler:
             )
         return list(replies)
 
+    async def _label_one(
+        self, client, request: LabelRequest, semaphore: asyncio.Semaphore, deadline: float, circuit: CircuitBreaker
+    ) -> LabelReply:
+        args, loop = self.args, asyncio.get_running_loop()
+        start, error, attempts = loop.time(), None, 0
+        try:
+            async with asyncio.timeout_at(deadline):  # the update's deadline ends waits and requests alike
+                while attempts < args.labeler_max_attempts and not circuit.open.is_set():
+                    attempts += 1
+                    try:
+                        text = await self._complete(client, request.messages, semaphore, circuit)
+                        return LabelReply(text, None, loop.time() - start, attempts)
+                    except CircuitOpen:
+                        attempts -= 1  # never sent
+                    except Exception as exc:  # noqa: BLE001 - every failure is counted, none may crash training
+                        error = f"{type(exc).__name__}: {exc}"
+                        permanent = isinstance(exc, ContentRefusal) or (
+                            isinstance(exc, openai.APIStatusError) and exc.status_code in PERMANENT_HTTP_ERRORS
+                        )
+                        if permanent or attempts == args.labeler_max_attempts:
+                            break
+                        with contextlib.suppress(TimeoutError):  # an opening circuit ends the wait at once
+                            await asyncio.wait_for(circuit.open.wait(), timeout=self.backoff_s(exc, attempts))
+        except TimeoutError:  # the update's deadline, not the per-request timeout (that is openai.APITimeoutError)
+            error = f"update deadline ({args.labeler_deadline_s} s) passed; last error: {error}"
+        if circuit.open.is_set():
+            error = f"circuit open ({args.labeler_circuit_failures} connection failures in a row); last error: {error}"
+        return LabelReply(None, error, loop.time() - start, attempts)
+
+    def backoff_s(self, error: Exception, attempts: int) -> float:
+        """The wait before the next attempt: after a 429 exponential with 0-25% jitter, after another error linear."""
+        args, message = self.args, str(error).lower()
+        if isinstance(error, openai.RateLimitError) or "rate limit" in message or "429" in message:
+            wait = min(args.labeler_rate_limit_backoff_s * 1.5 ** (attempts - 1), args.labeler_rate_limit_backoff_cap_s)
+            return wait * (1.0 + 0.25 * random.random())
+        return min(args.labeler_error_backoff_s * attempts, args.labeler_error_backoff_cap_s)
+
     async def _complete(
         self, client: openai.AsyncOpenAI, messages: list[dict], semaphore: asyncio.Semaphore, circuit: CircuitBreaker
     ) -> str:
+        args = self.args
         async with semaphore:  # held only while a request is in flight, never while backing off
             if circuit.open.is_set():  # it opened while this request waited for its turn
                 raise CircuitOpen
             try:  # counted before the next request may start
                 response = await client.chat.completions.create(
-                    model=self.args.labeler_model,
-                    messages=messages,
-                    temperature=0.0,
-                    max_tokens=self.args.labeler_max_new_tokens,
-                    timeout=self.args.labeler_timeout_s,
+                    model=args.labeler_model, messages=messages, temperature=0.0, max_tokens=args.labeler_max_new_tokens
                 )
             except Exception as exc:
                 circuit.record(
@@ -639,53 +637,6 @@ class ApiLabeler:
         if choice.finish_reason == "content_filter":
             raise ContentRefusal("finish_reason content_filter")
         return choice.message.content or ""
-
-    async def _label_one(
-        self, client, request: LabelRequest, semaphore: asyncio.Semaphore, deadline: float, circuit: CircuitBreaker
-    ) -> LabelReply:
-        args, loop = self.args, asyncio.get_running_loop()
-        start, error, attempts = loop.time(), None, 0
-        while attempts < args.labeler_max_attempts:
-            remaining = deadline - loop.time()
-            if circuit.open.is_set():
-                break
-            if remaining <= 0:
-                error = f"update deadline ({args.labeler_deadline_s} s) passed; last error: {error}"
-                break
-            attempts += 1
-            try:
-                text = await asyncio.wait_for(
-                    self._complete(client, request.messages, semaphore, circuit), timeout=remaining
-                )
-                return LabelReply(text, None, loop.time() - start, attempts)
-            except CircuitOpen:
-                attempts -= 1  # never sent
-                break
-            except TimeoutError:  # the update's deadline, not the per-request timeout (that is openai.APITimeoutError)
-                error = f"update deadline ({args.labeler_deadline_s} s) passed; last error: {error}"
-                break
-            except Exception as exc:  # noqa: BLE001 - every failure is counted, none may crash training
-                error = f"{type(exc).__name__}: {exc}"
-                permanent = isinstance(exc, ContentRefusal) or (
-                    isinstance(exc, openai.APIStatusError) and exc.status_code in PERMANENT_HTTP_ERRORS
-                )
-                if permanent or attempts == args.labeler_max_attempts:
-                    break
-                message = str(exc).lower()
-                if isinstance(exc, openai.RateLimitError) or "rate limit" in message or "429" in message:
-                    wait = min(
-                        args.labeler_rate_limit_backoff_s * 1.5 ** (attempts - 1), args.labeler_rate_limit_backoff_cap_s
-                    )
-                    wait *= 1.0 + 0.25 * random.random()
-                else:
-                    wait = min(args.labeler_error_backoff_s * attempts, args.labeler_error_backoff_cap_s)
-                try:  # an opening circuit ends the wait at once
-                    await asyncio.wait_for(circuit.open.wait(), timeout=max(0.0, min(wait, deadline - loop.time())))
-                except TimeoutError:
-                    pass
-        if circuit.open.is_set():
-            error = f"circuit open ({args.labeler_circuit_failures} connection failures in a row); last error: {error}"
-        return LabelReply(None, error, loop.time() - start, attempts)
 
 
 class CircuitOpen(Exception):
@@ -708,9 +659,7 @@ class PolicyLabeler:
     """The policy model itself labels, greedily, in-process (no key needed). The labels are context
     for the advantages only: their tokens never enter a training batch."""
 
-    def __init__(
-        self, generate_greedy: Callable[[list[list[int]], int], list[common.Completion]], tokenizer, args: Args
-    ):
+    def __init__(self, generate_greedy: common.SampleFn, tokenizer, args: Args):
         self.generate_greedy, self.tokenizer, self.args = generate_greedy, tokenizer, args
         self.model_name = f"self:{args.model}"
 
@@ -727,6 +676,13 @@ class PolicyLabeler:
         return [LabelReply(c.text, None, latency, 1) for c in completions]
 
 
+def skips_labelling(args: Args, outcome_advantage: float, orm_score: float) -> bool:
+    """--skip-type: a trajectory whose group outcome advantage is ~0 (skip_small_adv) or that lost (skip_all_neg) is
+    not sent to the labeller."""
+    small, lost = abs(outcome_advantage) < 1e-8, orm_score <= 0
+    return (args.skip_type == "skip_small_adv" and small) or (args.skip_type == "skip_all_neg" and lost)
+
+
 def label_trajectories(
     trajectories: Sequence[common.Trajectory],
     outcome_advantages: Sequence[float],
@@ -741,63 +697,43 @@ def label_trajectories(
 
     A trajectory skipped by --skip-type (its group outcome advantage is ~0, or it lost), or whose request failed
     or whose reply did not parse, gets uniform flags: all GOOD if it won, else all BAD."""
-    flags: list[list[bool] | None] = [None] * len(trajectories)
-    requests, request_index, skipped = [], [], 0
+    requests, asked = [], []
     for i, (traj, advantage, orm) in enumerate(zip(trajectories, outcome_advantages, orm_scores)):
-        skip = (args.skip_type == "skip_small_adv" and abs(advantage) < 1e-8) or (
-            args.skip_type == "skip_all_neg" and orm <= 0
-        )
-        if skip or not traj.steps:
-            skipped += bool(traj.steps)
-            continue
-        messages = build_label_messages(
-            traj.start.observation, describe_steps(traj), outcome_score(orm), args.labeler_max_step_chars
-        )
-        requests.append(LabelRequest(f"u{update}-r{rank}-g{traj.group}-b{traj.branch}", messages, len(traj.steps)))
-        request_index.append(i)
-
+        if traj.steps and not skips_labelling(args, advantage, orm):
+            steps, outcome = describe_steps(traj), outcome_score(orm)
+            messages = build_label_messages(traj.start.observation, steps, outcome, args.labeler_max_step_chars)
+            requests.append(LabelRequest(f"u{update}-r{rank}-g{traj.group}-b{traj.branch}", messages, len(steps)))
+            asked.append(i)
     replies = labeler(requests)
-    failures = parse_failures = judged_steps = judged_good = 0
-    latencies, good_in_won, bad_in_lost = [], [], []
-    for request, i, reply in zip(requests, request_index, replies):
-        parsed = parse_judgments(reply.text, request.num_steps) if reply.text is not None else None
-        failures += reply.text is None
-        parse_failures += reply.text is not None and parsed is None
-        latencies.append(reply.latency_s)
-        if parsed is not None:
-            flags[i] = parsed
-            judged_steps += len(parsed)
-            judged_good += sum(parsed)
-            if orm_scores[i] > 0:
-                good_in_won += parsed
-            else:
-                bad_in_lost += [not flag for flag in parsed]
-        if log_file is not None:
-            record = {
-                "update": update,
-                "trajectory_id": request.trajectory_id,
-                "messages": request.messages,
-                "reply": reply.text,
-                "flags": parsed,
-                "latency_s": round(reply.latency_s, 4),
-                "attempts": reply.attempts,
-                "model": labeler.model_name,
-                "error": reply.error,
-            }
-            with open(log_file, "a") as f:
+    parsed = [parse_judgments(reply.text, request.num_steps) for request, reply in zip(requests, replies)]
+    flags = [[orm > 0] * len(traj.steps) for traj, orm in zip(trajectories, orm_scores)]  # the uniform fallback
+    for i, labels in zip(asked, parsed):
+        flags[i] = labels if labels is not None else flags[i]
+    if log_file is not None:
+        with open(log_file, "a") as f:
+            for request, reply, labels in zip(requests, replies, parsed):
+                record = {
+                    "update": update,
+                    "trajectory_id": request.trajectory_id,
+                    "messages": request.messages,
+                    "reply": reply.text,
+                    "flags": labels,
+                    "latency_s": round(reply.latency_s, 4),
+                    "attempts": reply.attempts,
+                    "model": labeler.model_name,
+                    "error": reply.error,
+                }
                 f.write(json.dumps(record) + "\n")
-    for i, traj in enumerate(trajectories):
-        if flags[i] is None:
-            flags[i] = [orm_scores[i] > 0] * len(traj.steps)
-    latencies.sort()
+    judged = [(orm_scores[i] > 0, labels) for i, labels in zip(asked, parsed) if labels is not None]
+    failures, latencies = sum(reply.text is None for reply in replies), sorted(reply.latency_s for reply in replies)
     metrics = {
         "prm/label_requests": Count(len(requests)),
         "prm/label_failures": Count(failures),
-        "prm/parse_failures": Count(parse_failures),
-        "prm/skipped": Count(skipped),
-        "prm/good_rate": judged_good / judged_steps if judged_steps else 0.0,
-        "prm/pos_traj_good_rate": sum(good_in_won) / len(good_in_won) if good_in_won else 0.0,
-        "prm/neg_traj_bad_rate": sum(bad_in_lost) / len(bad_in_lost) if bad_in_lost else 0.0,
+        "prm/parse_failures": Count(sum(labels is None for labels in parsed) - failures),
+        "prm/skipped": Count(sum(bool(traj.steps) for traj in trajectories) - len(requests)),
+        "prm/good_rate": _mean([flag for _, labels in judged for flag in labels]),
+        "prm/pos_traj_good_rate": _mean([flag for won, labels in judged if won for flag in labels]),
+        "prm/neg_traj_bad_rate": _mean([not flag for won, labels in judged if not won for flag in labels]),
         "prm/circuit_open": float(getattr(labeler, "circuit_opened", False)),
         "prm/latency_p50": _percentile(latencies, 0.50),
         "prm/latency_p95": _percentile(latencies, 0.95),
@@ -809,50 +745,28 @@ def _percentile(sorted_values: Sequence[float], q: float) -> float:
     return float(sorted_values[round(q * (len(sorted_values) - 1))]) if sorted_values else 0.0
 
 
-def oracle_step_flags(traj: common.Trajectory) -> list[bool]:
-    """Privileged judgment of every step: GOOD when it shortened the planner's optimal remaining plan (the winning
-    step included), BAD otherwise (an invalid, inadmissible, useless or harmful step)."""
-    env = common.AlfredEnv(traj.start.game_file)
-    try:
-        env.reset()
-        for action in traj.start.actions:
-            env.step(action)
-
-        def remaining() -> float:
-            plan = env.expert_plan()
-            return 0 if env.turn.won else len(plan) or math.inf  # [] and not won: the goal became unreachable
-
-        before, flags = remaining(), []
-        for step in traj.steps:
-            if step.action is not None:
-                env.step(step.action)
-            after = remaining()
-            flags.append(after < before)
-            before = after
-        return flags
-    finally:
-        env.close()
-
-
 def oracle_labeler(
-    trajectories: Sequence[common.Trajectory], overall_scores: Sequence[float], orm_scores: Sequence[float], args: Args
+    trajectories: Sequence[common.Trajectory],
+    outcome_advantages: Sequence[float],
+    orm_scores: Sequence[float],
+    args: Args,
 ) -> tuple[list[list[bool]], dict[str, float]]:
     """--labeler-backend oracle: label_trajectories' contract (flags, prm/* metrics; --skip-type honoured) with
-    oracle_step_flags instead of an LLM. No requests can fail."""
-    flags, judged, skipped = [], [], 0
-    for traj, overall, orm in zip(trajectories, overall_scores, orm_scores):
-        skip = (args.skip_type == "skip_small_adv" and abs(overall) < 1e-8) or (
-            args.skip_type == "skip_all_neg" and orm <= 0
-        )
-        skipped += skip and bool(traj.steps)
-        flags.append([overall > 0] * len(traj.steps) if skip else oracle_step_flags(traj))
-        judged += [] if skip else flags[-1]
+    common.oracle_step_flags (privileged planner judgments) instead of an LLM. No requests can fail."""
+    asked = [
+        bool(traj.steps) and not skips_labelling(args, advantage, orm)
+        for traj, advantage, orm in zip(trajectories, outcome_advantages, orm_scores)
+    ]
+    flags = [
+        common.oracle_step_flags(traj) if ask else [advantage > 0] * len(traj.steps)
+        for traj, advantage, ask in zip(trajectories, outcome_advantages, asked)
+    ]
     metrics = {
-        "prm/label_requests": Count(sum(1 for t in trajectories if t.steps) - skipped),
+        "prm/label_requests": Count(sum(asked)),
         "prm/label_failures": Count(0),
         "prm/parse_failures": Count(0),
-        "prm/skipped": Count(skipped),
-        "prm/good_rate": sum(judged) / len(judged) if judged else 0.0,
+        "prm/skipped": Count(sum(bool(traj.steps) for traj in trajectories) - sum(asked)),
+        "prm/good_rate": _mean([flag for labels, ask in zip(flags, asked) if ask for flag in labels]),
     }
     return flags, metrics
 
@@ -861,55 +775,31 @@ def oracle_labeler(
 # One ADCA-GRPO update
 # =============================================================================================
 def validate_args(args: Args) -> None:
-    validate_model_args(args)
-    checks = [
-        (args.num_updates >= 1, f"--num-updates must be >= 1, got {args.num_updates}"),
-        (args.games_per_update >= 1, f"--games-per-update must be >= 1, got {args.games_per_update}"),
+    validate_model_args(args)  # the shared flags, and every Literal flag's choices
+    check_bounds(args, ">= 1", "num_updates", "games_per_update", "max_turns", "max_turn_tokens", "ppo_epochs")
+    check_bounds(args, ">= 1", "mini_batches", "labeler_concurrency", "labeler_max_attempts", "labeler_max_new_tokens")
+    check_bounds(args, ">= 1", "labeler_circuit_failures", "labeler_max_step_chars")
+    check_bounds(args, "> 0", "clip_eps_high", "fix_base", "labeler_timeout_s", "labeler_deadline_s")
+    check_bounds(args, ">= 0", "kl_beta", "kl_loss_coef", "alpha", "prm_steps", "labeler_error_backoff_s")
+    check_bounds(args, ">= 0", "labeler_error_backoff_cap_s", "labeler_rate_limit_backoff_s")
+    check_bounds(args, ">= 0", "labeler_rate_limit_backoff_cap_s")
+    check(
         (
             args.trajectories_per_game >= 2,
             f"--trajectories-per-game must be >= 2 (GRPO compares within a group), got {args.trajectories_per_game}",
         ),
-        (args.max_turns >= 1, f"--max-turns must be >= 1, got {args.max_turns}"),
-        (args.max_turn_tokens >= 1, f"--max-turn-tokens must be >= 1, got {args.max_turn_tokens}"),
         (
             args.max_trajectory_tokens > args.max_turn_tokens,
             f"--max-trajectory-tokens ({args.max_trajectory_tokens}) must exceed --max-turn-tokens ({args.max_turn_tokens})",
         ),
         (0 < args.clip_eps < 1, f"--clip-eps must lie in (0, 1), got {args.clip_eps}"),
         (
-            args.clip_eps_high is None or args.clip_eps_high > 0,
-            f"--clip-eps-high must be > 0, got {args.clip_eps_high}",
-        ),
-        (
             args.dual_clip_c is None or args.dual_clip_c > 1,
             f"--dual-clip-c must be > 1 (the loss cap is c * |A|), got {args.dual_clip_c}",
-        ),
-        (args.kl_beta >= 0, f"--kl-beta must be >= 0, got {args.kl_beta}"),
-        (args.kl_loss_coef >= 0, f"--kl-loss-coef must be >= 0, got {args.kl_loss_coef}"),
-        (args.ppo_epochs >= 1, f"--ppo-epochs must be >= 1, got {args.ppo_epochs}"),
-        (args.mini_batches >= 1, f"--mini-batches must be >= 1, got {args.mini_batches}"),
-        (args.alpha >= 0, f"--alpha must be >= 0, got {args.alpha}"),
-        (
-            args.alpha_schedule in ("constant", "cosine"),
-            f"--alpha-schedule must be constant or cosine, got {args.alpha_schedule!r}",
         ),
         (
             0 <= args.alpha_min <= args.alpha or args.alpha_schedule == "constant",
             f"--alpha-min must lie in [0, --alpha] for the cosine schedule, got {args.alpha_min}",
-        ),
-        (args.fix_base > 0, f"--fix-base must be > 0, got {args.fix_base}"),
-        (
-            args.orm_distribution in ORM_DISTRIBUTIONS,
-            f"--orm-distribution must be one of {ORM_DISTRIBUTIONS}, got {args.orm_distribution!r}",
-        ),
-        (
-            args.skip_type in ("skip_small_adv", "skip_all_neg", "none"),
-            f"--skip-type must be skip_small_adv, skip_all_neg or none, got {args.skip_type!r}",
-        ),
-        (args.prm_steps >= 0, f"--prm-steps must be >= 0, got {args.prm_steps}"),
-        (
-            args.labeler_backend in ("auto", "api", "self", "oracle"),
-            f"--labeler-backend must be auto, api, self or oracle, got {args.labeler_backend!r}",
         ),
         (
             args.labeler_backend != "api" or bool(args.labeler_base_url),
@@ -921,30 +811,7 @@ def validate_args(args: Args) -> None:
         ),
         (bool(args.labeler_model), "--labeler-model must not be empty"),
         (bool(args.labeler_api_key_env), "--labeler-api-key-env must name an environment variable"),
-        (args.labeler_concurrency >= 1, f"--labeler-concurrency must be >= 1, got {args.labeler_concurrency}"),
-        (args.labeler_timeout_s > 0, f"--labeler-timeout-s must be > 0, got {args.labeler_timeout_s}"),
-        (args.labeler_deadline_s > 0, f"--labeler-deadline-s must be > 0, got {args.labeler_deadline_s}"),
-        (args.labeler_max_attempts >= 1, f"--labeler-max-attempts must be >= 1, got {args.labeler_max_attempts}"),
-        (
-            args.labeler_circuit_failures >= 1,
-            f"--labeler-circuit-failures must be >= 1, got {args.labeler_circuit_failures}",
-        ),
-        (
-            min(
-                args.labeler_rate_limit_backoff_s,
-                args.labeler_rate_limit_backoff_cap_s,
-                args.labeler_error_backoff_s,
-                args.labeler_error_backoff_cap_s,
-            )
-            >= 0,
-            "--labeler-*-backoff-* values must be >= 0",
-        ),
-        (args.labeler_max_step_chars >= 1, f"--labeler-max-step-chars must be >= 1, got {args.labeler_max_step_chars}"),
-        (args.labeler_max_new_tokens >= 1, f"--labeler-max-new-tokens must be >= 1, got {args.labeler_max_new_tokens}"),
-    ]
-    for ok, message in checks:
-        if not ok:
-            raise ValueError(message)
+    )
     if needs_labels(args) and labeler_backend(args) == "api":
         labeler_api_key(args)
 
@@ -959,14 +826,9 @@ def labelling_at(update: int, args: Args) -> bool:
 
 
 def decouple_settings(args: Args, update: int) -> dict:
-    """decouple_step_rewards' keyword arguments for update `update` (1-based)."""
-    return dict(
-        fix_base=args.fix_base,
-        alpha=alpha_at(update - 1, args),
-        orm_distribution=args.orm_distribution,
-        equal_trajectory_weight=args.equal_trajectory_weight,
-        length_normalization=args.length_normalization,
-    )
+    """decouple_step_rewards' keyword arguments for update `update` (1-based): the decouple flags, and alpha now."""
+    flags = ("fix_base", "orm_distribution", "equal_trajectory_weight", "length_normalization")
+    return {flag: getattr(args, flag) for flag in flags} | {"alpha": alpha_at(update - 1, args)}
 
 
 def trained_decouple(args: Args, update: int) -> dict | None:
@@ -1016,32 +878,25 @@ class Runtime:
 def make_runtime(args: Args, accelerator) -> Runtime:
     """Labeller (an api one checks its key and its endpoint, and gets this process's share of --labeler-concurrency),
     this process's training games, then the model, samplers and label log."""
-    api_labeler = None
-    if needs_labels(args) and labeler_backend(args) == "api":
-        rank, processes = accelerator.process_index, accelerator.num_processes
-        if args.labeler_concurrency < processes:
-            raise ValueError(
+    rank, processes = accelerator.process_index, accelerator.num_processes
+    backend = labeler_backend(args) if needs_labels(args) else None
+    labeler = label_log = None
+    if backend == "api":
+        check(
+            (
+                args.labeler_concurrency >= processes,
                 f"--labeler-concurrency ({args.labeler_concurrency}) must be >= the number of processes "
-                f"({processes}): it bounds all of them together"
+                f"({processes}): it bounds all of them together",
             )
-        api_labeler = ApiLabeler(
-            args, args.labeler_concurrency // processes + (rank < args.labeler_concurrency % processes)
         )
-        api_labeler.check_endpoint()
-    label_log = None
+        share = args.labeler_concurrency // processes + (rank < args.labeler_concurrency % processes)
+        labeler = ApiLabeler(args, share)
+        labeler.check_endpoint()
     if args.labeler_log_dir:
-        label_log = (
-            require_writable_dir(args.labeler_log_dir, "--labeler-log-dir")
-            / f"labels_rank{accelerator.process_index}.jsonl"
-        )
+        label_log = require_writable_dir(args.labeler_log_dir, "--labeler-log-dir") / f"labels_rank{rank}.jsonl"
     parts = runtime_parts(args, accelerator)
-    labeler = None
-    if needs_labels(args):
-        labeler = api_labeler or (
-            oracle_labeler
-            if labeler_backend(args) == "oracle"
-            else PolicyLabeler(parts["greedy_fn"], parts["tokenizer"], args)
-        )
+    if backend in ("self", "oracle"):
+        labeler = oracle_labeler if backend == "oracle" else PolicyLabeler(parts["greedy_fn"], parts["tokenizer"], args)
     return Runtime(**parts, labeler=labeler, label_log=label_log)
 
 
@@ -1056,13 +911,10 @@ def group_metrics(groups: Sequence[Sequence[common.Trajectory]]) -> dict:
 
 
 def policy_logprobs(rt: Runtime, datums: Sequence[Datum]) -> list[list[float]]:
+    """The current policy's per-token logprobs of the datums (no gradient)."""
+    args, tokens = rt.args, [d.tokens for d in datums]
     return sequence_logprobs(
-        rt.model,
-        rt.accelerator,
-        [d.tokens for d in datums],
-        rt.args.temperature,
-        rt.tokenizer.pad_token_id,
-        rt.args.micro_batch_tokens,
+        rt.model, rt.accelerator, tokens, args.temperature, rt.tokenizer.pad_token_id, args.micro_batch_tokens
     )
 
 
@@ -1120,7 +972,7 @@ def ppo_update(rt: Runtime, datums: list[Datum]) -> dict:
     for _ in range(args.ppo_epochs):
         order = random.sample(range(len(datums)), len(datums)) if args.mini_batches > 1 else range(len(datums))
         for part in range(args.mini_batches):
-            per_step.append(train_step(rt, [datums[i] for i in list(order)[part :: args.mini_batches]], loss_fn))
+            per_step.append(train_step(rt, [datums[i] for i in order[part :: args.mini_batches]], loss_fn))
     merged = {key: math.fsum(m.get(key, 0.0) for m in per_step) / steps for key in per_step[0]}
     merged["train/tokens"] = math.fsum(m["train/tokens"] for m in per_step) / args.ppo_epochs
     merged["train/nonfinite_skipped"] = math.fsum(m["train/nonfinite_skipped"] for m in per_step)
@@ -1165,8 +1017,7 @@ def adca_update(rt: Runtime, update: int) -> tuple[dict, list[dict]]:
     t_update = time.time()
 
     metrics |= rollout_metrics(trajectories) | group_metrics(groups)
-    generated = [a for advantages in advantages_per_step for a in advantages]
-    metrics["train/step_advantage_abs_mean"] = math.fsum(abs(a) for a in generated) / max(1, len(generated))
+    metrics["train/step_advantage_abs_mean"] = _mean([abs(a) for row in advantages_per_step for a in row])
     metrics |= {"time/rollout": t_rollout - t0, "time/label": t_label - t_rollout, "time/update": t_update - t_label}
     return metrics, update_samples(trajectories[:2], outcome_advantages, step_flags, advantages_per_step)
 
@@ -1198,15 +1049,9 @@ def label_steps(rt: Runtime, update: int, labelling: bool, trajectories, outcome
     if rt.labeler is oracle_labeler:
         step_flags, label_metrics = oracle_labeler(trajectories, outcome_advantages, orm_scores, args)
     else:
+        rank = rt.accelerator.process_index
         step_flags, label_metrics = label_trajectories(
-            trajectories,
-            outcome_advantages,
-            orm_scores,
-            rt.labeler,
-            args,
-            update,
-            rt.accelerator.process_index,
-            rt.label_log,
+            trajectories, outcome_advantages, orm_scores, rt.labeler, args, update, rank, rt.label_log
         )
     return step_flags, metrics | label_metrics
 
@@ -1225,7 +1070,7 @@ def add_reference_kl(rt: Runtime, datums: list[Datum]) -> dict:
             if trained:
                 log_ratios.append(datum.old_logprobs[t] - ref[t])
                 datum.advantages[t] -= args.kl_beta * log_ratios[-1]
-    return {"train/kl": math.fsum(log_ratios) / max(1, len(log_ratios))}
+    return {"train/kl": _mean(log_ratios)}
 
 
 # =============================================================================================
@@ -1233,20 +1078,10 @@ def add_reference_kl(rt: Runtime, datums: list[Datum]) -> dict:
 # =============================================================================================
 # fork 6: main: the number of updates, RESUME_MAY_CHANGE, POSTFIX_KEYS
 # Flags that only extend a run, or change how the labeller is reached rather than who labels.
-RESUME_MAY_CHANGE = (
-    "num_updates",
-    "labeler_base_url",
-    "labeler_api_key_env",
-    "labeler_concurrency",
-    "labeler_timeout_s",
-    "labeler_deadline_s",
-    "labeler_max_attempts",
-    "labeler_circuit_failures",
-    "labeler_rate_limit_backoff_s",
-    "labeler_rate_limit_backoff_cap_s",
-    "labeler_error_backoff_s",
-    "labeler_error_backoff_cap_s",
-    "labeler_log_dir",
+RESUME_MAY_CHANGE = tuple(
+    "num_updates labeler_base_url labeler_api_key_env labeler_concurrency labeler_timeout_s labeler_deadline_s "
+    "labeler_max_attempts labeler_circuit_failures labeler_rate_limit_backoff_s labeler_rate_limit_backoff_cap_s "
+    "labeler_error_backoff_s labeler_error_backoff_cap_s labeler_log_dir".split()
 )
 POSTFIX_KEYS = ("rollout/success_rate", "prm/good_rate", "prm/label_failures", "train/loss")
 

@@ -532,6 +532,31 @@ class AlfredEnv:
         self._lib = None
 
 
+def oracle_step_flags(traj: Trajectory) -> list[bool]:
+    """Privileged judgment of every step: GOOD when it shortened the planner's optimal remaining plan (the winning
+    step included), BAD otherwise (an invalid, inadmissible, useless or harmful step)."""
+    env = AlfredEnv(traj.start.game_file)
+    try:
+        env.reset()
+        for action in traj.start.actions:
+            env.step(action)
+
+        def remaining() -> float:
+            plan = env.expert_plan()
+            return 0 if env.turn.won else len(plan) or float("inf")  # [] and not won: the goal became unreachable
+
+        before, flags = remaining(), []
+        for step in traj.steps:
+            if step.action is not None:
+                env.step(step.action)
+            after = remaining()
+            flags.append(after < before)
+            before = after
+        return flags
+    finally:
+        env.close()
+
+
 # =============================================================================================
 # Saved states, env groups, replay restore
 # =============================================================================================

@@ -795,16 +795,16 @@ def test_oracle_labels_good_exactly_when_a_step_shortens_the_optimal_plan(all_ga
     game_file = next(g for g in all_games if "look_at_obj" in g and "/train/" in g)
     walkthrough = common.load_walkthrough(game_file)
     expert = scripted_trajectory(game_file, protocol, [common.tool_call(a) for a in walkthrough])
-    assert expert.won and adca_grpo.oracle_step_flags(expert) == [True] * len(walkthrough)
+    assert expert.won and common.oracle_step_flags(expert) == [True] * len(walkthrough)
 
     replies = [common.tool_call("look"), "no tool call", common.tool_call(walkthrough[0]), common.tool_call("fly away")]
     replies += [common.tool_call(a) for a in walkthrough[1:]]
     detours = scripted_trajectory(game_file, protocol, replies)
     assert detours.won
-    assert adca_grpo.oracle_step_flags(detours) == [False, False, True, False] + [True] * (len(walkthrough) - 1)
+    assert common.oracle_step_flags(detours) == [False, False, True, False] + [True] * (len(walkthrough) - 1)
 
     args = adca_grpo.Args(skip_type="skip_small_adv")
     flags, metrics = adca_grpo.oracle_labeler([expert, detours], [0.0, 1.0], [1.0, 1.0], args)
     assert flags[0] == [False] * len(walkthrough)  # skipped (advantage 0): uniform flags, as for an LLM labeller
-    assert flags[1] == adca_grpo.oracle_step_flags(detours)
+    assert flags[1] == common.oracle_step_flags(detours)
     assert metrics["prm/skipped"] == 1 and metrics["prm/label_requests"] == 1
