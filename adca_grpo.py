@@ -757,9 +757,9 @@ def oracle_labeler(
         bool(traj.steps) and not skips_labelling(args, advantage, orm)
         for traj, advantage, orm in zip(trajectories, outcome_advantages, orm_scores)
     ]
-    flags = [
-        common.oracle_step_flags(traj) if ask else [advantage > 0] * len(traj.steps)
-        for traj, advantage, ask in zip(trajectories, outcome_advantages, asked)
+    flags = [  # a skipped trajectory: all GOOD if it won, else all BAD (as label_trajectories does)
+        common.oracle_step_flags(traj) if ask else [orm > 0] * len(traj.steps)
+        for traj, orm, ask in zip(trajectories, orm_scores, asked)
     ]
     metrics = {
         "prm/label_requests": Count(sum(asked)),

@@ -805,6 +805,6 @@ def test_oracle_labels_good_exactly_when_a_step_shortens_the_optimal_plan(all_ga
 
     args = adca_grpo.Args(skip_type="skip_small_adv")
     flags, metrics = adca_grpo.oracle_labeler([expert, detours], [0.0, 1.0], [1.0, 1.0], args)
-    assert flags[0] == [False] * len(walkthrough)  # skipped (advantage 0): uniform flags, as for an LLM labeller
+    assert flags[0] == [True] * len(walkthrough)  # skipped (advantage 0), won: all GOOD, as for an LLM labeller
     assert flags[1] == common.oracle_step_flags(detours)
     assert metrics["prm/skipped"] == 1 and metrics["prm/label_requests"] == 1
