@@ -71,7 +71,8 @@ def test_the_readme_layout_line_ranges_are_those_of_the_script(name):
 
 @pytest.mark.parametrize("name", ["tempo.py", "common.py"])
 def test_the_readme_layout_paragraphs_name_the_right_lines(name):
-    """The prose ranges (`tempo.py`'s plumbing, `common.py`) hold the names they quote."""
+    """The prose ranges (`tempo.py`'s plumbing, `common.py`) hold the names they quote (of the plumbing's: those it
+    defines; it also names the algorithm's `policy_loss`)."""
     readme = (ROOT / "README.md").read_text()
     section = readme[readme.index("## Layout") :].split("\n## ")[0]
     paragraph = next(
@@ -79,6 +80,9 @@ def test_the_readme_layout_paragraphs_name_the_right_lines(name):
     )
     parts = re.findall(r"(\d+)-(\d+) ([^;]*)", paragraph.replace("\n", " "))
     defined = defined_lines(ROOT / name)
+    if name == "tempo.py":
+        begin = (ROOT / name).read_text().splitlines().index(BEGIN) + 1
+        defined = {quoted: line for quoted, line in defined.items() if line > begin}
     assert len(parts) >= 5
     for first, last, part in parts:
         for quoted in re.findall(r"`(\w+)`", part):
