@@ -716,12 +716,20 @@ def next_fresh_state(rt) -> common.SavedState:
     for _ in rt.games:
         game = rt.games[rt.game_cursor % len(rt.games)]
         rt.game_cursor += 1
-        try:
-            return common.fresh_state(game, rt.protocol, seed=rt.game_cursor)
-        except common.BadGameError as error:
-            rt.bad_games += 1
-            print(f"[games] WARNING: skipped a game that does not load: {error}", file=sys.stderr)
+        if (state := start_or_skip(game, rt.protocol, "games", seed=rt.game_cursor)) is not None:
+            return state
+        rt.bad_games += 1
     raise RuntimeError(f"none of this process's {len(rt.games)} training games loads")
+
+
+def start_or_skip(game: str, protocol, stage: str, seed: int = 0) -> common.SavedState | None:
+    """The game's start state; None, with a warning naming it, for a game that passed the start-up parse but does
+    not load (a broken grammar: grammars are parsed at first use)."""
+    try:
+        return common.fresh_state(game, protocol, seed=seed)
+    except common.BadGameError as error:
+        print(f"[{stage}] WARNING: skipped a game that does not load: {error}", file=sys.stderr)
+        return None
 
 
 def train(rt, algorithm: str, checkpoint, trainer_state, total_updates: int, one_update, eval_steps: int, postfix_keys):
@@ -898,7 +906,7 @@ def validate_model_args(args) -> None:
 
 
 def check(*conditions: tuple[bool, str]) -> None:
-    """A ValueError (a start-up error) with the message of the first condition that does not hold."""
+    """A ValueError with the message of the first condition that does not hold (at start: a start-up error)."""
     for ok, message in conditions:
         if not ok:
             raise ValueError(message)
@@ -1371,11 +1379,13 @@ def sequence_logprobs(
     return result
 
 
-def refresh_old_logprobs(rt, datums: list[Datum]) -> dict:
-    """With --sampler vllm and --recompute-logprobs: the datums' old logprobs become the trainer's own (the
-    server's kernels and precision differ), and the drift |server - trainer| over the trained tokens is reported."""
+def refresh_old_logprobs(rt, datums: list[Datum], always: bool = False) -> dict:
+    """The datums' old logprobs become the trainer's own: always (an update of several optimizer steps measures its
+    ratios from the policy before the first, as veRL does), or with --sampler vllm and --recompute-logprobs (the
+    server's kernels and precision differ). With the server, the drift |server - trainer| over the trained tokens is
+    reported."""
     args = rt.args
-    if args.sampler != "vllm" or not args.recompute_logprobs or not datums:
+    if not datums or not (always or (args.sampler == "vllm" and args.recompute_logprobs)):
         return {}
     trainer = sequence_logprobs(
         rt.model,
@@ -1389,6 +1399,8 @@ def refresh_old_logprobs(rt, datums: list[Datum]) -> dict:
     for datum, fresh in zip(datums, trainer):
         drift += [abs(old - new) for old, new, m in zip(datum.old_logprobs, fresh, datum.mask) if m]
         datum.old_logprobs = fresh
+    if args.sampler != "vllm":
+        return {}
     return {
         "rollout/logprob_drift_mean": math.fsum(drift) / max(1, len(drift)),
         "rollout/logprob_drift_max": max(drift, default=0.0),
@@ -1855,13 +1867,11 @@ def evaluate(rt, max_episode_steps: int) -> dict:
         except FileNotFoundError as error:
             print(f"[eval] skipping {split}: {error}", file=sys.stderr)
             continue
-        starts, skipped = [], 0
-        for game in games[accelerator.process_index :: accelerator.num_processes]:
-            try:
-                starts.append(common.fresh_state(game, rt.protocol))
-            except common.BadGameError as error:  # passed the start-up parse (its grammar did not): never fatal
-                skipped += 1
-                print(f"[eval] WARNING: skipped a game that does not load: {error}", file=sys.stderr)
+        mine = [
+            start_or_skip(game, rt.protocol, "eval")
+            for game in games[accelerator.process_index :: accelerator.num_processes]
+        ]
+        starts, skipped = [state for state in mine if state is not None], sum(state is None for state in mine)
         groups = (
             play(rt, starts, 1, horizon=max_episode_steps, max_episode_steps=max_episode_steps, sample_fn=rt.greedy_fn)
             if starts

@@ -482,7 +482,9 @@ def test_td_updates_train_actor_and_critic_from_stored_states(runtime):
     assert second["td/macro_index_mean"] == 1 and second["td/store_size"] == 2
     assert second["actor/macro_boundary_rate"] == 0  # T reached: every branch is terminal
     max_weight = rt.args.prefix_is_max_weight
+    # within the clip (exact clipping: test_prefix_is_weight_is_clipped_both_ways...); the first step moved the prefix
     assert 1 / max_weight <= second["td/prefix_is_weight_mean"] <= second["td/prefix_is_weight_max"] <= max_weight
+    assert second["td/prefix_is_weight_max"] != 1.0
     assert second["train/tokens"] > 0
 
     # The walkthrough is in every critic prompt and in no actor prompt.
