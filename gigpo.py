@@ -64,7 +64,7 @@ class Args:
     """prompts per generate() call"""
     # ---- data ----
     data_root: str | None = None
-    """ALFWorld data dir holding json_2.1.1/ (None = the generated offline game set)"""
+    """ALFWorld data dir holding json_2.1.1/ (None = the generated offline game set; --model tiny-agent: its games)"""
     split: Literal["train", "valid_seen", "valid_unseen"] = "train"
     """split the training games come from"""
     task_types: tuple[str, ...] | None = None
@@ -446,6 +446,44 @@ PRESETS = {  # name -> (what it is, its values); `python gigpo.py NAME --flags`
             max_turn_tokens=48,
             eval_games=2,
             eval_every=3,
+        ),
+    ),
+    "learning": (
+        "the CPU learning benchmark's recipe: tiny agent, its 4 games, 12 updates of 4 x 4, state anchors (~5 min)",
+        Args(
+            model=common.TINY_AGENT,
+            task_types=common.TINY_AGENT_TASK_TYPES,
+            lora_rank=16,
+            lora_alpha=32,
+            learning_rate=1e-3,
+            max_turn_tokens=48,
+            max_trajectory_tokens=8192,
+            sample_batch_size=64,
+            save_every=6,
+            eval_every=0,  # the benchmark evaluates each checkpoint on the training games itself
+            num_updates=12,
+            games_per_update=4,
+            trajectories_per_game=4,
+            max_turns=6,
+        ),
+    ),
+    "learning-long": (
+        "the long-horizon CPU benchmark's recipe: tiny-agent-long, pick two / clean / cool games, T 20, state anchors",
+        Args(
+            model="tiny-agent-long",
+            task_types=common.TINY_AGENTS["tiny-agent-long"].task_types,
+            lora_rank=16,
+            lora_alpha=32,
+            learning_rate=1e-3,
+            max_turn_tokens=48,
+            max_trajectory_tokens=16384,
+            sample_batch_size=64,
+            save_every=6,
+            eval_every=0,
+            num_updates=12,
+            games_per_update=4,
+            trajectories_per_game=4,
+            max_turns=20,
         ),
     ),
     "source": (

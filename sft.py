@@ -41,7 +41,7 @@ class Args:
     output_dir: str = "runs/sft"
     """where the fine-tuned model (weights, tokenizer, sft.json) is written"""
     data_root: str | None = None
-    """ALFWorld data directory (holds json_2.1.1/); unset: the generated offline games"""
+    """ALFWorld data directory (holds json_2.1.1/); unset: the generated offline games (--model tiny-agent: its games)"""
     split: Literal["train", "valid_seen", "valid_unseen"] = "train"
     """split whose walkthroughs are cloned"""
     task_types: tuple[str, ...] | None = None
@@ -264,7 +264,7 @@ def main(args: Args) -> Path:
         raise ValueError("--lora-rank and --num-games must be >= 0, --num-epochs > 0, --macro-rounds >= 1")
     random.seed(args.seed)
     torch.manual_seed(args.seed)
-    data_root = args.data_root or str(common.default_data_root())
+    data_root = common.resolve_data_root(args.data_root, args.model)
     try:
         games = common.discover_games(data_root, args.split, args.task_types)
     except FileNotFoundError as error:

@@ -66,7 +66,7 @@ class Args:
     """prompts per generate() call"""
     # ---- data ----
     data_root: str | None = None
-    """ALFWorld data dir holding json_2.1.1/ (None = the generated offline game set)"""
+    """ALFWorld data dir holding json_2.1.1/ (None = the generated offline game set; --model tiny-agent: its games)"""
     split: Literal["train", "valid_seen", "valid_unseen"] = "train"
     """split the training games come from"""
     task_types: tuple[str, ...] | None = None
@@ -678,6 +678,56 @@ PRESETS = {  # name -> (what it is, its values); `python tempo.py NAME --flags`
             max_trajectory_tokens=8192,
             eval_every=6,
             eval_games=2,
+        ),
+    ),
+    "learning": (
+        "the CPU learning benchmark's recipe: tiny agent, its 4 games, T 6, H 3, 3 warm-up + 9 TD updates (~5 min)",
+        Args(
+            model=common.TINY_AGENT,
+            task_types=common.TINY_AGENT_TASK_TYPES,
+            lora_rank=16,
+            lora_alpha=32,
+            learning_rate=1e-3,
+            max_turn_tokens=48,
+            max_trajectory_tokens=8192,
+            sample_batch_size=64,
+            save_every=6,
+            eval_every=0,  # the benchmark evaluates each checkpoint on the training games itself
+            macro_rounds=3,
+            max_episode_steps=6,
+            branches=4,
+            critic_samples=4,
+            endpoint_samples=1,
+            states_per_batch=4,
+            warmup_updates=3,
+            warmup_games_per_batch=4,
+            td_updates=9,
+            max_critic_tokens=16,
+        ),
+    ),
+    "learning-long": (
+        "the long-horizon CPU benchmark's recipe: tiny-agent-long, pick two / clean / cool games, T 20, H 5",
+        Args(
+            model="tiny-agent-long",
+            task_types=common.TINY_AGENTS["tiny-agent-long"].task_types,
+            lora_rank=16,
+            lora_alpha=32,
+            learning_rate=1e-3,
+            max_turn_tokens=48,
+            max_trajectory_tokens=16384,
+            sample_batch_size=64,
+            save_every=6,
+            eval_every=0,
+            macro_rounds=5,
+            max_episode_steps=20,
+            branches=4,
+            critic_samples=4,
+            endpoint_samples=1,
+            states_per_batch=4,
+            warmup_updates=3,
+            warmup_games_per_batch=4,
+            td_updates=9,
+            max_critic_tokens=16,
         ),
     ),
     "source": (

@@ -35,7 +35,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Literal, Sequence
 
 import tyro
 
@@ -73,6 +73,8 @@ WARMUPS = (
 class Args:
     out: str = "benchmarks/results/critic"
     """results directory (results.json, critic.md): committed"""
+    setting: Literal["short", "long"] = "short"
+    """the learning benchmark's setting (benchmarks/learning.py --setting) whose warm start and TEMPO flags are used"""
     cache: str = str(common.DEFAULT_CACHE_DIR / "learning-benchmark")
     """the learning benchmark's cache (games, warm start); this benchmark's stages go to its critic/ folder"""
     train_episodes: int = 16
@@ -103,13 +105,14 @@ def log(message: str) -> None:
 # =============================================================================================
 # The benchmark's TEMPO runtime, in-process
 # =============================================================================================
-def tempo_args(model: str | Path, games: Path, seed: int = 1, **overrides):
+def tempo_args(model: str | Path, games: Path, seed: int = 1, setting: str = "short", **overrides):
     """tempo.Args exactly as benchmarks/learning.py runs tempo.py (its flags parsed by tyro), on `model`."""
     import tempo
 
-    bench = learning.Args()
+    bench = learning.Args(setting=setting)
     command = learning.algorithm_command("tempo", seed, bench.updates, Path(model), games, Path("runs"), bench)
-    return dataclasses.replace(tyro.cli(tempo.Args, args=command[1:]), threads=bench.threads, **overrides)
+    parsed = common.cli(tempo.Args, lambda args: args, tempo.PRESETS, argv=command[1:])
+    return dataclasses.replace(parsed, threads=bench.threads, **overrides)
 
 
 def make_runtime(args, checkpoint: Path | None = None):
@@ -528,9 +531,9 @@ class Probe:
         import torch
 
         self.args, cache = args, Path(args.cache)
-        self.games_dir = learning.games_root(cache)
-        self.warm = learning.warm_start(cache, self.games_dir, learning.Args(threads=args.threads))
-        self.games = common.discover_games(self.games_dir, "train", learning.TASK_TYPES)
+        agent = learning.SETTINGS[args.setting][0]
+        self.warm, self.games_dir = common.tiny_agent(cache, args.threads, agent)
+        self.games = common.discover_games(self.games_dir, "train", common.TINY_AGENTS[agent].task_types)
         key = f"{self.warm.resolve()}|{args.train_episodes}|{args.heldout_episodes}|{args.continuations}|{args.seed}"
         self.dir = cache / "critic" / f"states-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
         rt = self.runtime()
@@ -544,7 +547,9 @@ class Probe:
 
     def runtime(self, model: Path | None = None, checkpoint: Path | None = None):
         """TEMPO's runtime on `model` (default: the warm start) with the benchmark's flags, a checkpoint loaded."""
-        return make_runtime(tempo_args(model or self.warm, self.games_dir, self.args.seed), checkpoint)
+        return make_runtime(
+            tempo_args(model or self.warm, self.games_dir, self.args.seed, self.args.setting), checkpoint
+        )
 
     def evaluate(self, rt, wins: list[list[bool]] | None = None) -> dict:
         """Every critic of `rt` against the held-out states' true V under `rt`'s own policy (re-estimated by
@@ -574,12 +579,16 @@ def fixed_warm_start(probe: Probe, args: Args) -> Path:
     path = probe.dir / "warm-start-critic"
     if not (path / "sft.json").is_file():
         log(f"the fix: sft.py --critic-states on the warm start, {args.fix_epochs:g} epochs")
-        bench = learning.Args(threads=args.threads)
+        bench, rt_args = (
+            learning.Args(threads=args.threads),
+            tempo_args(probe.warm, probe.games_dir, setting=args.setting),
+        )
         command = [
             "sft.py", "--model", str(probe.warm), "--output-dir", str(path), "--data-root", str(probe.games_dir),
-            "--task-types", *learning.TASK_TYPES, "--critic-states", str(probe.dir / "critic_states.jsonl"),
-            "--episodes-per-game", "8", "--noise-eps", "0.2", "--max-turns", str(bench.max_turns),
-            "--macro-rounds", str(bench.max_turns // 2), "--learning-rate", "1e-3", "--batch-tokens", "4096",
+            "--task-types", *common.TINY_AGENTS[learning.SETTINGS[args.setting][0]].task_types,
+            "--critic-states", str(probe.dir / "critic_states.jsonl"), "--episodes-per-game", "8", "--noise-eps", "0.2",
+            "--max-turns", str(rt_args.max_episode_steps), "--macro-rounds", str(rt_args.macro_rounds),
+            "--learning-rate", "1e-3", "--batch-tokens", "4096",
             "--num-epochs", str(args.fix_epochs), "--seed", str(args.seed),
         ]  # fmt: skip
         learning.run(command, bench)

@@ -1,13 +1,12 @@
 """Does it learn? GRPO vs ADCA-GRPO (oracle labels) vs GiGPO vs TEMPO from one warm start, on a few training games,
 on CPU.
 
-Every stage is cached under --out, so a killed run picks up where it stopped (rerun the same command):
-  1. games: the offline generator's first games (`common.make_games`), of which the look_at and pick_and_place
-     training games are used (4 games, 4-step walkthroughs, episodes capped at --max-turns);
-  2. a small random Qwen2 (`common.build_tiny_model`, ~0.9M parameters, the tiny tokenizer);
-  3. the warm start: `sft.py` on noisy-expert episodes of those games, with TEMPO critic examples;
-  4. each algorithm x seed: the script itself, as a subprocess (`--resume auto`), a checkpoint every --eval-every
-     updates;
+Every stage is cached under --cache, so a killed run picks up where it stopped (rerun the same command):
+  1-3. the tiny agent (`common.tiny_agent`, `--model tiny-agent`): the offline generator's first 12 games, of which
+     the look_at and pick_and_place training games are used (4 games, 4-step walkthroughs), a small random Qwen2
+     (~0.9M parameters), and the warm start: `sft.py` on noisy-expert episodes, with TEMPO critic examples;
+  4. each algorithm x seed: `SCRIPT learning` (the script's preset of this recipe) as a subprocess (`--resume auto`),
+     a checkpoint every --eval-every updates;
   5. each checkpoint: sampled success (T=1, --eval-episodes per game) and greedy success, in-process with the
      scripts' own sampler and rollout;
   6. TEMPO's critic at the start and at each TEMPO checkpoint, against the true V of held-out states of the warm
@@ -32,18 +31,34 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import tyro
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import adca_grpo  # noqa: E402
 import common  # noqa: E402
 
-TASK_TYPES = ("look_at_obj_in_light", "pick_and_place_simple")
-ALGORITHMS = ("grpo", "adca_oracle", "gigpo", "tempo", "tempo_ppo")
-# tempo_ppo: TEMPO with PPO clipping (0.2, 0.28) and --tempo-ppo-learning-rate; at the shared lr (1e-3) TEMPO's
-# importance-sampling loss did not learn (README: Does it learn?)
+# setting -> (the tiny agent every run starts from, the scripts' preset of the setting's recipe)
+SETTINGS = {"short": ("tiny-agent", "learning"), "long": ("tiny-agent-long", "learning-long")}
+
+
+def recipe(setting: str):
+    """The setting's episode cap and token budgets, which every evaluation shares (adca_grpo.py's preset)."""
+    return adca_grpo.PRESETS[SETTINGS[setting][1]][1]
+
+
+# name -> (script, flags added to its `learning` preset: the benchmark's recipe, written in the script)
+ALGORITHMS = {
+    "grpo": ("adca_grpo.py", ["--no-attribution"]),
+    "adca_oracle": ("adca_grpo.py", []),
+    "gigpo": ("gigpo.py", []),
+    "tempo": ("tempo.py", []),
+    # at the shared lr (1e-3) TEMPO's importance-sampling loss did not learn (README: Does it learn?)
+    "tempo_ppo": ("tempo.py", ["--learning-rate", "1e-4", "--ppo-clip", "0.2", "0.28"]),
+}
 
 
 @dataclass
@@ -52,14 +67,17 @@ class Args:
     """results directory (results.json, learning.png, tempo_critic.png, learning.md): committed"""
     cache: str = str(common.DEFAULT_CACHE_DIR / "learning-benchmark")
     """games, models and run directories (checkpoints): not committed"""
+    setting: Literal["short", "long"] = "short"
+    """short: 4 games with 4-step walkthroughs, T 6 (tiny-agent); long: pick two / clean / cool games with 6-10-step
+    walkthroughs, T 20, TEMPO's H 5 (tiny-agent-long); each script's `learning` / `learning-long` preset"""
     quick: bool = False
     """one seed, --quick-updates updates: the pipeline end to end in minutes"""
-    algorithms: tuple[str, ...] = ALGORITHMS
+    algorithms: tuple[str, ...] = tuple(ALGORITHMS)
     """which of grpo, adca_oracle, gigpo, tempo, tempo_ppo to run"""
     seeds: tuple[int, ...] = (1, 2, 3)
     """seeds per algorithm"""
     updates: int = 12
-    """training updates per run (TEMPO: warm-up + TD updates)"""
+    """training updates per run (TEMPO: a quarter warm-up, the rest TD updates)"""
     quick_updates: int = 4
     """updates per run with --quick"""
     eval_every: int = 6
@@ -68,16 +86,6 @@ class Args:
     """sampled (T=1) episodes per game and evaluation point (x 4 games)"""
     start_eval_episodes: int = 32
     """sampled episodes per game for the shared warm start"""
-    max_turns: int = 6
-    """episode cap (walkthroughs are 4 steps)"""
-    learning_rate: float = 1e-3
-    """RL learning rate (LoRA) of grpo, adca_oracle, gigpo and tempo"""
-    tempo_ppo_learning_rate: float = 1e-4
-    """RL learning rate of tempo_ppo"""
-    lora_rank: int = 16
-    """RL LoRA rank"""
-    lora_alpha: int = 32
-    """RL LoRA alpha"""
     threads: int = 1
     """torch threads of every stage"""
     critic_eval: bool = False
@@ -90,54 +98,6 @@ def log(message: str) -> None:
     print(f"[learning {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
-# =============================================================================================
-# Stages 1-3: games, base model, warm start (cached)
-# =============================================================================================
-def games_root(out: Path) -> Path:
-    root = out / "games"
-    if not (root / "json_2.1.1").is_dir():
-        log("generating the games")
-        tmp = out / "games.tmp"
-        common.make_games(tmp, n=12, seed=0, log=lambda *a: None)
-        os.replace(tmp, root)
-    return root
-
-
-def base_model(out: Path) -> Path:
-    path = out / "base-model"
-    if not (path / "model.safetensors").is_file():
-        common.build_tiny_model(path, seed=0, hidden_size=128, intermediate_size=384, num_layers=4)
-    return path
-
-
-# The warm start: three sft.py stages on noisy-expert episodes (eps 0.2, 8 per game) with TEMPO critic examples.
-# Found by hand: the sampled success of a clone does not rise monotonically with training, and these stages land
-# at ~0.25 (stage 2 alone: ~0.1; 16 epochs instead of 5 in stage 3: ~0.6). (extra flags, stage seed)
-WARM_START_STAGES = (
-    (["--max-turns", "8", "--macro-rounds", "4", "--num-epochs", "40", "--target-loss", "0.15"], 1),
-    (["--max-turns", "8", "--macro-rounds", "4", "--num-epochs", "40", "--target-loss", "0.04"], 1),
-    (["--max-turns", "6", "--macro-rounds", "3", "--num-epochs", "5"], 2),
-)
-
-
-def warm_start(out: Path, games: Path, args: Args) -> Path:
-    model = base_model(out)
-    for stage, (flags, seed) in enumerate(WARM_START_STAGES, 1):
-        path = out / f"warm-start-stage{stage}"
-        if not (path / "sft.json").is_file():
-            log(f"warm start stage {stage}: sft.py {' '.join(flags)}")
-            run(
-                [
-                    "sft.py", "--model", str(model), "--output-dir", str(path), "--data-root", str(games),
-                    "--task-types", *TASK_TYPES, "--episodes-per-game", "8", "--noise-eps", "0.2", "--critic-examples",
-                    "--learning-rate", "1e-3", "--batch-tokens", "4096", "--seed", str(seed), *flags,
-                ],
-                args,
-            )  # fmt: skip
-        model = path
-    return model
-
-
 def run(command: list[str], args: Args) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)}
     env.update(HF_HUB_OFFLINE="1", WANDB_MODE="disabled", PYTHONPATH=str(ROOT))
@@ -148,30 +108,19 @@ def run(command: list[str], args: Args) -> None:
 # Stage 4: the algorithms, each through its own CLI
 # =============================================================================================
 def algorithm_command(name: str, seed: int, updates: int, warm: Path, games: Path, runs: Path, args: Args) -> list[str]:
-    shared = [
-        "--model", str(warm), "--data-root", str(games), "--task-types", *TASK_TYPES, "--seed", str(seed),
-        "--lora-rank", str(args.lora_rank), "--lora-alpha", str(args.lora_alpha),
-        "--learning-rate", str(args.learning_rate), "--max-turn-tokens", "48", "--max-trajectory-tokens", "8192",
-        "--sample-batch-size", "64", "--eval-every", "0", "--save-every", str(args.eval_every),
-        "--output-dir", str(runs), "--exp-name", f"{name}-s{seed}", "--resume", "auto",
-    ]  # fmt: skip
-    grpo = ["--num-updates", str(updates), "--games-per-update", "4", "--trajectories-per-game", "4"]
-    grpo += ["--max-turns", str(args.max_turns)]
-    if name == "grpo":
-        return ["adca_grpo.py", *shared, *grpo, "--no-attribution"]
-    if name == "adca_oracle":
-        return ["adca_grpo.py", *shared, *grpo, "--labeler-backend", "oracle", "--prm-steps", str(updates)]
-    if name == "gigpo":  # exact-state anchors and verl-agent's gamma, w and std normalisation (the defaults)
-        return ["gigpo.py", *shared, *grpo]
-    warmup = max(1, updates // 4)
-    if name == "tempo_ppo":
-        shared[shared.index("--learning-rate") + 1] = str(args.tempo_ppo_learning_rate)
-        shared += ["--ppo-clip", "0.2", "0.28"]
+    """`script.py learning`: the script's own preset of the benchmark's recipe, at this run's seed and updates."""
+    script, flags = ALGORITHMS[name]
+    if script == "tempo.py":
+        warmup = max(1, updates // 4)
+        flags = [*flags, "--warmup-updates", str(warmup), "--td-updates", str(updates - warmup)]
+    else:
+        flags = [*flags, "--num-updates", str(updates)] + (
+            ["--prm-steps", str(updates)] if name == "adca_oracle" else []
+        )
     return [
-        "tempo.py", *shared, "--macro-rounds", str(args.max_turns // 2), "--max-episode-steps", str(args.max_turns),
-        "--branches", "4", "--critic-samples", "4", "--endpoint-samples", "1", "--states-per-batch", "4",
-        "--warmup-updates", str(warmup), "--warmup-games-per-batch", "4", "--td-updates", str(updates - warmup),
-        "--max-critic-tokens", "16",
+        script, SETTINGS[args.setting][1], *flags, "--model", str(warm), "--data-root", str(games), "--seed", str(seed),
+        "--save-every", str(args.eval_every), "--output-dir", str(runs), "--exp-name", f"{name}-s{seed}",
+        "--resume", "auto",
     ]  # fmt: skip
 
 
@@ -194,7 +143,7 @@ class Evaluator:
         from transformers import AutoTokenizer
 
         torch.set_num_threads(args.threads)
-        self.warm, self.games, self.args = warm, games, args
+        self.warm, self.games, self.args, self.recipe = warm, games, args, recipe(args.setting)
         self.accelerator = common.make_accelerator()
         self.tokenizer = AutoTokenizer.from_pretrained(warm, padding_side="left")
         self.protocol = common.ChatProtocol(self.tokenizer)
@@ -204,19 +153,17 @@ class Evaluator:
         from peft import PeftModel
         from transformers import AutoModelForCausalLM
 
-        import adca_grpo
-
         model = AutoModelForCausalLM.from_pretrained(self.warm, dtype=torch.float32)
         if checkpoint is not None:
             model = PeftModel.from_pretrained(model, checkpoint).merge_and_unload()
-        sampling = adca_grpo.Args(temperature=1.0, top_p=1.0, sample_batch_size=64)
+        sampling, cap = dataclasses.replace(self.recipe, temperature=1.0, top_p=1.0), self.recipe.max_turns
         result = {}
         for mode, branches in (("sampled", episodes), ("greedy", 1)):
             sample_fn = common.make_sampler(model, self.tokenizer, self.accelerator, sampling, greedy=mode == "greedy")
             starts = [common.fresh_state(game, self.protocol) for game in self.games]
             groups = common.rollout(
-                starts, branches, sample_fn, self.protocol, horizon=self.args.max_turns,
-                max_episode_steps=self.args.max_turns, max_turn_tokens=48, max_trajectory_tokens=8192,
+                starts, branches, sample_fn, self.protocol, horizon=cap, max_episode_steps=cap,
+                max_turn_tokens=sampling.max_turn_tokens, max_trajectory_tokens=sampling.max_trajectory_tokens,
             )  # fmt: skip
             result[mode] = [sum(t.won for t in group) for group in groups]  # wins per game
         result["episodes"] = episodes
@@ -377,7 +324,9 @@ def main(args: Args) -> None:
         raise ValueError(f"--algorithms: unknown {sorted(unknown)}; expected some of {ALGORITHMS}")
     if args.eval_every < 1 or args.updates < 1:
         raise ValueError("--updates and --eval-every must be >= 1")
-    mode = "quick" if args.quick else "full"
+    mode = (
+        ("quick" if args.quick else "full") if args.setting == "short" else f"long-{'quick' if args.quick else 'full'}"
+    )
     out, cache = Path(args.out) / mode, Path(args.cache)
     out.mkdir(parents=True, exist_ok=True)
     seeds = args.seeds[:1] if args.quick else args.seeds
@@ -387,9 +336,9 @@ def main(args: Args) -> None:
     results_file = out / "results.json"
     if args.report_only:
         return report(json.loads(results_file.read_text()), out, args)
-    games = games_root(cache)
-    warm = warm_start(cache, games, args)
-    game_files = common.discover_games(games, "train", TASK_TYPES)
+    agent = SETTINGS[args.setting][0]
+    warm, games = common.tiny_agent(cache, args.threads, agent)
+    game_files = common.discover_games(games, "train", common.TINY_AGENTS[agent].task_types)
     evaluate = Evaluator(warm, game_files, args)
     results = json.loads(results_file.read_text()) if results_file.is_file() else {"runs": {}}
     results["config"] = {**dataclasses.asdict(args), "games": game_files, "updates": updates, "seeds": list(seeds)}
@@ -408,7 +357,7 @@ def main(args: Args) -> None:
         import critic
 
         nonlocal probe
-        probe = probe or critic.Probe(critic.Args(cache=str(cache), threads=args.threads))
+        probe = probe or critic.Probe(critic.Args(cache=str(cache), setting=args.setting, threads=args.threads))
         wins = probe.warm_wins if checkpoint is None else None  # the warm start's V: estimated with its states
         return probe.evaluate(probe.runtime(checkpoint=checkpoint), wins)
 
@@ -421,9 +370,11 @@ def main(args: Args) -> None:
     jobs = [(name, seed) for seed in seeds for name in args.algorithms]
     for name, seed in tqdm(jobs, desc="runs", unit="run", dynamic_ncols=True):
         key = f"{name}-s{seed}"
-        log(f"{key}: training")
-        run(algorithm_command(name, seed, updates, warm, games, runs_root, args), args)
         rdir = run_dir(runs_root, name, seed)
+        if rdir is None or not (rdir / "checkpoints" / f"update_{updates:06d}").is_dir():  # not finished yet
+            log(f"{key}: training")
+            run(algorithm_command(name, seed, updates, warm, games, runs_root, args), args)
+            rdir = run_dir(runs_root, name, seed)
         metrics = metrics_rows(rdir)
         entry = results["runs"].setdefault(key, {"algorithm": name, "seed": seed, "points": []})
         entry["metrics"] = metrics

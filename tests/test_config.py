@@ -1,8 +1,11 @@
 """Config-driven runs: a named preset or a --config file (JSON or YAML, a run's own config.json included) gives the
 defaults, flags on the command line override them, and bad files fail at start naming what is wrong."""
 
+import dataclasses
 import json
 import re
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -10,6 +13,9 @@ import adca_grpo
 import common
 import gigpo
 import tempo
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
 def parsed(module, argv):
@@ -30,7 +36,11 @@ def test_a_preset_gives_the_defaults_and_flags_override_it(module):
 def test_an_unknown_preset_fails_at_start(capsys):
     with pytest.raises(SystemExit) as exit:
         parsed(tempo, ["--preset", "smok"])
-    assert exit.value.code == 2 and "--preset must be one of ['smoke', 'source'], got 'smok'" in capsys.readouterr().err
+    assert (
+        exit.value.code == 2
+        and "--preset must be one of ['learning', 'learning-long', 'smoke', 'source'], got 'smok'"
+        in capsys.readouterr().err
+    )
 
 
 def test_a_yaml_config_file_gives_the_defaults(tmp_path):
@@ -150,3 +160,42 @@ def test_the_source_preset_holds_the_sources_values_and_every_preset_is_valid(mo
     assert {key: getattr(source, key) for key in SOURCE_VALUES[module]} == SOURCE_VALUES[module]
     for _, preset in module.PRESETS.values():
         module.validate_args(preset)
+
+
+CONFIG_FILES = {
+    "tempo-qwen3.5-4b.yaml": tempo,
+    "gigpo-qwen2.5-1.5b.yaml": gigpo,
+    "adca-grpo-qwen2.5-14b.yaml": adca_grpo,
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONFIG_FILES))
+def test_the_shipped_config_files_parse_and_equal_their_source_preset(name):
+    module, path = CONFIG_FILES[name], ROOT / "configs" / name
+    assert sorted(p.name for p in path.parent.glob("*.yaml")) == sorted(CONFIG_FILES)  # a new file gets a test row
+    args = parsed(module, ["--config", str(path)])
+    assert dataclasses.replace(args, config="") == module.PRESETS["source"][1]
+
+
+@pytest.mark.parametrize("setting", ["short", "long"])
+@pytest.mark.parametrize("module", [tempo, adca_grpo, gigpo])
+def test_the_learning_presets_are_what_the_learning_benchmark_runs(module, setting):
+    import learning
+
+    agent, preset_name = learning.SETTINGS[setting]
+    script = f"{module.__name__}.py"
+    bench = learning.Args(setting=setting)
+    for name in [name for name, (s, _) in learning.ALGORITHMS.items() if s == script]:
+        command = learning.algorithm_command(name, 2, 12, Path("/m"), Path("/g"), Path("/r"), bench)
+        assert command[:2] == [script, preset_name]
+        args = parsed(module, command[1:])
+        assert (args.model, args.data_root, args.seed, args.preset) == ("/m", "/g", 2, preset_name)
+    _, preset = module.PRESETS[preset_name]
+    assert preset.model == agent and preset.task_types == common.TINY_AGENTS[agent].task_types
+    recipe = learning.recipe(setting)  # what the benchmark's evaluation plays
+    assert (preset.max_turn_tokens, preset.max_trajectory_tokens) == (
+        recipe.max_turn_tokens,
+        recipe.max_trajectory_tokens,
+    )
+    episode_cap = preset.max_episode_steps if module is tempo else preset.max_turns
+    assert episode_cap == recipe.max_turns

@@ -4,13 +4,10 @@ tiny model's logprobs, and main() end to end with a resume."""
 
 import json
 import math
-import sys
 
 import pytest
 import torch
-import tyro
 from accelerate.utils import set_seed
-from conftest import ROOT
 
 import common
 import gigpo
@@ -380,16 +377,3 @@ def test_smoke_observation_anchors_then_resume(games_root, tiny_model_dir, tmp_p
 def test_invalid_flags_fail_at_start_naming_the_flag(overrides, flag):
     with pytest.raises(ValueError, match=flag):
         gigpo.main(gigpo.Args(model="/nonexistent", **overrides))  # fails before any model loads
-
-
-def test_the_learning_benchmark_command_parses(tmp_path):
-    """benchmarks/learning.py builds gigpo's command line as the others'; tyro parses it into valid Args."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import learning
-
-    command = learning.algorithm_command("gigpo", 1, 12, tmp_path, tmp_path, tmp_path / "runs", learning.Args())
-    assert command[0] == "gigpo.py"
-    args = tyro.cli(gigpo.Args, args=command[1:])
-    gigpo.validate_args(args)
-    assert (args.num_updates, args.games_per_update, args.trajectories_per_game, args.max_turns) == (12, 4, 4, 6)
-    assert args.anchor == "state" and args.task_types == learning.TASK_TYPES and args.exp_name == "gigpo-s1"

@@ -1,5 +1,6 @@
 """The algorithm learns: a short plain-GRPO run raises the sampled success of a warm-started policy on its games."""
 
+import dataclasses
 import math
 import sys
 
@@ -19,35 +20,24 @@ EPISODES_PER_GAME = 32  # x 4 games = 128 sampled episodes per measurement
 
 @pytest.mark.slow
 def test_grpo_raises_sampled_success_from_a_warm_start(tmp_path):
-    """From the learning benchmark's warm start (cached in ~/.cache/cleanrl-agents/learning-benchmark; built by
-    benchmarks/learning.py's stages when missing, ~10 min once), 12 plain-GRPO updates through adca_grpo.py's own
+    """From the learning benchmark's warm start (`--model tiny-agent`, cached in ~/.cache/cleanrl-agents/
+    learning-benchmark; built by common.tiny_agent() when missing, ~6 min once), 12 plain-GRPO updates through adca_grpo.py's own
     main() raise sampled (T=1) success on the 4 training games by more than 3 standard errors (128 episodes before
     and after). It fails when the advantage sign is flipped (tried once: grpo_advantages returning
     -advantage took the success from 0.21 to 0.09 and failed), or when the update does not reach the policy."""
-    bench = learning.Args()
-    cache = common.DEFAULT_CACHE_DIR / "learning-benchmark"
-    games = learning.games_root(cache)
-    warm = learning.warm_start(cache, games, bench)
-    evaluate = learning.Evaluator(warm, common.discover_games(games, "train", learning.TASK_TYPES), bench)
+    warm, games = common.tiny_agent()
+    evaluate = learning.Evaluator(
+        warm, common.discover_games(games, "train", common.TINY_AGENT_TASK_TYPES), learning.Args()
+    )
     torch.manual_seed(0)
     before = learning.success(evaluate(None, EPISODES_PER_GAME))
 
-    args = adca_grpo.Args(
+    args = dataclasses.replace(  # the benchmark's recipe (the `learning` preset), plain GRPO
+        adca_grpo.PRESETS["learning"][1],
         model=str(warm),
         data_root=str(games),
-        task_types=learning.TASK_TYPES,
         attribution=False,
         num_updates=UPDATES,
-        games_per_update=4,
-        trajectories_per_game=4,
-        max_turns=bench.max_turns,
-        max_turn_tokens=48,
-        max_trajectory_tokens=8192,
-        lora_rank=bench.lora_rank,
-        lora_alpha=bench.lora_alpha,
-        learning_rate=bench.learning_rate,
-        sample_batch_size=64,
-        eval_every=0,
         save_every=UPDATES,
         output_dir=str(tmp_path),
         seed=1,
