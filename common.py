@@ -3451,14 +3451,17 @@ TINY_AGENTS = {
 }
 TINY_AGENT = "tiny-agent"
 TINY_AGENT_TASK_TYPES = TINY_AGENTS[TINY_AGENT].task_types
+# tiny-agent's weights ship with the repo (3.7 MB), so a first run waits only for its games; `python common.py
+# make-tiny-agent --out DIR` rebuilds them bit for bit (~7 min on one CPU thread) and compares
+SHIPPED_AGENTS_DIR = Path(__file__).resolve().parent / "assets"
 
 
 def tiny_agent(
-    root: str | Path = DEFAULT_CACHE_DIR / "learning-benchmark", threads: int = 1, name: str = TINY_AGENT
+    root: str | Path = DEFAULT_CACHE_DIR / "learning-benchmark", threads: int = 1, name: str = TINY_AGENT, shipped=True
 ) -> tuple[Path, Path]:
-    """(model dir, games root) of the tiny agent `name` (TINY_AGENTS), built once into root (the short one: ~6 min on
-    2 cores): 12 offline games, a random 0.9M-parameter Qwen2, then its sft.py stages, each cached (a killed build
-    resumes)."""
+    """(model dir, games root) of the tiny agent `name` (TINY_AGENTS): its 12 offline games, made once into root, and
+    the shipped weights (assets/NAME) or, without them, the build into root (a random 0.9M-parameter Qwen2, then its
+    sft.py stages, each cached: a killed build resumes)."""
     recipe, root = TINY_AGENTS[name], Path(root)
     games = root / "games"
     if not (games / "json_2.1.1").is_dir():
@@ -3466,6 +3469,8 @@ def tiny_agent(
         tmp = root / f"games.tmp{os.getpid()}"
         make_games(tmp, n=12, seed=0, log=lambda *a: None)
         os.replace(tmp, games)
+    if shipped and (SHIPPED_AGENTS_DIR / name / "model.safetensors").is_file():
+        return SHIPPED_AGENTS_DIR / name, games
     model = root / "base-model"
     if not (model / "model.safetensors").is_file():
         build_tiny_model(model, seed=0, hidden_size=128, intermediate_size=384, num_layers=4)
@@ -3496,9 +3501,18 @@ if __name__ == "__main__":
     make.add_argument("--max-receptacles", type=int, default=15, help="cap per game (bigger is slower to plan)")
     tiny = commands.add_parser("make-tiny-model", help="build the tiny offline model")
     tiny.add_argument("--out", required=True)
+    agent = commands.add_parser("make-tiny-agent", help="rebuild a tiny agent's weights; compare with assets/")
+    agent.add_argument("--out", required=True, help="build directory (games, base model, each sft stage)")
+    agent.add_argument("--name", default=TINY_AGENT, choices=sorted(TINY_AGENTS))
     cli_args = cli.parse_args()
     if cli_args.command == "make-games":
         files = make_games(cli_args.out, cli_args.n, cli_args.seed, cli_args.max_receptacles)
         print(f"wrote {len(files)} games under {cli_args.out}")
+    elif cli_args.command == "make-tiny-agent":
+        built = tiny_agent(cli_args.out, name=cli_args.name, shipped=False)[0] / "model.safetensors"
+        digest = hashlib.sha256(built.read_bytes()).hexdigest()
+        ship = SHIPPED_AGENTS_DIR / cli_args.name / "model.safetensors"
+        same = ship.is_file() and hashlib.sha256(ship.read_bytes()).hexdigest() == digest
+        print(f"{built}: sha256 {digest}; {'identical to' if same else 'differs from'} {ship}")
     else:
         print(build_tiny_model(cli_args.out))

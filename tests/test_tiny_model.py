@@ -1,6 +1,7 @@
 """The tiny offline model: builds deterministically, reloads, renders chats with tools, generates."""
 
 import hashlib
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -64,3 +65,14 @@ def test_resolve_model_builds_tiny_once(tmp_path):
     assert common.resolve_model("tiny", cache_dir=tmp_path) == path
     assert (tmp_path / "tiny-model" / "model.safetensors").stat().st_mtime_ns == mtime
     assert common.resolve_model("Qwen/Qwen3-4B") == "Qwen/Qwen3-4B"
+
+
+def test_tiny_agent_is_shipped_and_its_readme_names_its_digest():
+    """--model tiny-agent needs no build: the shipped weights, whose sha256 assets/tiny-agent/README.md records (the
+    digest `python common.py make-tiny-agent` compares a rebuild with)."""
+    path = Path(common.resolve_model("tiny-agent"))
+    assert path == common.SHIPPED_AGENTS_DIR / "tiny-agent"
+    digest = hashlib.sha256((path / "model.safetensors").read_bytes()).hexdigest()
+    assert digest in (path / "README.md").read_text()
+    model = AutoModelForCausalLM.from_pretrained(path)
+    assert sum(p.numel() for p in model.parameters()) == 929_280  # hidden 128, 4 layers, the 2k-token vocabulary
