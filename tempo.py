@@ -96,6 +96,9 @@ class Args:
     """FIFO capacity of the store of macro-boundary states"""
     r_max: float = 1.0
     """normaliser of the critic reward -|V - G| / r_max (a parse failure counts as the largest error, 1)"""
+    critic_error: Literal["abs", "squared"] = "abs"
+    """critic reward -|V - G| / r_max (the source; its best answer is G's median: 0 or 1 for 0/1 outcomes) or
+    squared, -((V - G) / r_max)^2 (its best answer is G's mean: the state's value)"""
     ppo_clip: tuple[float, float] | None = None
     """(eps_low, eps_high): PPO-clip the ratio; None = plain importance-sampling policy gradient (Tinker style)"""
     prefix_is_correction: bool = False
@@ -192,12 +195,14 @@ def critic_errors(values: Sequence[float | None], target: float) -> list[float]:
     return [1.0 if v is None else abs(v - target) for v in values]
 
 
-def critic_signals(values: Sequence[float | None], target: float, r_max: float) -> tuple[list[float], list[float]]:
-    """Reward -|V_k - G| / r_max per critic sample (a parse failure scores exactly like the worst possible
-    parsed answer, -1 / r_max), centred within the group."""
+def critic_signals(
+    values: Sequence[float | None], target: float, r_max: float, squared: bool = False
+) -> tuple[list[float], list[float]]:
+    """Reward -|V_k - G| / r_max (squared: -((V_k - G) / r_max)^2) per critic sample (a parse failure scores exactly
+    like the worst possible parsed answer, an error of 1), centred within the group."""
     if not values:
         raise ValueError("critic_signals needs at least one critic sample")
-    rewards = [-error / r_max for error in critic_errors(values, target)]
+    rewards = [-((error / r_max) ** (2 if squared else 1)) for error in critic_errors(values, target)]
     mean = sum(rewards) / len(rewards)
     return rewards, [r - mean for r in rewards]
 
@@ -318,12 +323,12 @@ def critic_datum(prompt: list[int], reply: common.Completion, advantage: float) 
     return common.Datum(prompt + reply.tokens, context + reply.logprobs, context + [advantage] * n, context + [1.0] * n)
 
 
-def score_critic(prompts, replies, targets: Sequence[float], r_max: float):
+def score_critic(prompts, replies, targets: Sequence[float], r_max: float, squared: bool = False):
     """The critic's replies to each state's prompt scored against the state's target G: per state the parsed values
-    and the centred rewards -|V_k - G| / r_max (the advantages), then all critic datums. A state without replies
+    and the centred rewards (critic_signals: the advantages), then all critic datums. A state without replies
     (prompt over budget) or whose rewards are all equal teaches nothing and gives no datum."""
     values = [[parse_value(r.text) for r in group] for group in replies]
-    advantages = [critic_signals(v, g, r_max)[1] if v else [] for v, g in zip(values, targets)]
+    advantages = [critic_signals(v, g, r_max, squared)[1] if v else [] for v, g in zip(values, targets)]
     datums = [
         critic_datum(prompt, reply, a)
         for prompt, group, group_advantages in zip(prompts, replies, advantages)
@@ -476,7 +481,7 @@ def warmup_update(rt: Runtime) -> tuple[dict, list[dict]]:
 
     # ---- Phase 1, step 3: K critic samples per boundary state, reward -|V - G| / r_max centred within the K
     replies = sample_critic(rt, [(prompt, args.critic_samples) for prompt in prompts])
-    values, advantages, datums = score_critic(prompts, replies, targets, args.r_max)
+    values, advantages, datums = score_critic(prompts, replies, targets, args.r_max, args.critic_error == "squared")
     t_critic = time.time()
 
     # ---- Phase 1, step 4: update the critic only
@@ -545,7 +550,7 @@ def td_update(rt: Runtime) -> tuple[dict, list[dict]]:
     # ---- Phase 2, step 5: critic targets: K samples on each start state, reward -|V - G| towards G = mean(R)
     targets = [target for _, target, _ in signals]
     start_values, critic_advantages, critic_datums = score_critic(
-        critic.start_prompts, critic.start_replies, targets, args.r_max
+        critic.start_prompts, critic.start_replies, targets, args.r_max, args.critic_error == "squared"
     )
 
     # ---- Phase 2, step 6: one update, actor datums (saved prefix + segment) and critic datums (prompt + reply)

@@ -59,6 +59,7 @@ class Warmup:
     critic_samples: int  # K per state
     targets: str  # "mc": the episode's 0/1 outcome (TEMPO's phase 1); "v": the state's estimated V
     learning_rate: float
+    critic_error: str = "abs"  # tempo.py --critic-error: the reward -|V - G| (the source) or -(V - G)^2
 
 
 # The benchmark's TEMPO warm-up (3 updates of 16 episodes, K = 4, lr 1e-3, MC targets), then longer ones.
@@ -66,6 +67,7 @@ WARMUPS = (
     Warmup("recipe", 3, 4, "mc", 1e-3),
     Warmup("long_mc", 16, 4, "mc", 1e-3),
     Warmup("long_v_k8", 16, 8, "v", 1e-3),
+    Warmup("long_mc_squared", 16, 4, "mc", 1e-3, "squared"),  # the median of 0/1 outcomes is 0 or 1; their mean is V
 )
 
 
@@ -380,7 +382,9 @@ def warm_up(rt, pool: Pool, warmup: Warmup, episodes_per_update: int, seed: int)
         index = [i for i, e in enumerate(pool.episode) if e in batch]
         prompts, batch_targets = [pool.prompts[i] for i in index], [targets[i] for i in index]
         replies = tempo.sample_critic(rt, [(p, warmup.critic_samples) for p in prompts])
-        values, advantages, datums = tempo.score_critic(prompts, replies, batch_targets, rt.args.r_max)
+        values, advantages, datums = tempo.score_critic(
+            prompts, replies, batch_targets, rt.args.r_max, warmup.critic_error == "squared"
+        )
         metrics = rt.train(datums)
         metrics |= tempo.critic_metrics(values, batch_targets, advantages, "critic/value_corr")
         metrics["head/mse"] = head.step(last_hidden_states(rt, prompts), batch_targets)

@@ -148,6 +148,22 @@ def test_critic_signals_with_parse_failures():
     assert rewards == pytest.approx([-0.15, -0.5])
 
 
+def test_the_squared_critic_reward_is_best_at_the_mean_and_the_absolute_one_at_the_median():
+    rewards, advantages = tempo.critic_signals([0.2, None, 0.8, 0.5], 0.5, 1.0, squared=True)
+    assert rewards == pytest.approx([-0.09, -1.0, -0.09, 0.0])
+    assert advantages == pytest.approx([0.205, -0.705, 0.205, 0.295])
+    # a state won 3 times in 10 (V = 0.3): the constant answer with the best mean reward over its 0/1 outcomes
+    outcomes = [1.0] * 3 + [0.0] * 7
+    answers = [i / 20 for i in range(21)]
+
+    def best(squared):
+        mean_reward = [sum(tempo.critic_signals([v], g, 1.0, squared)[0][0] for g in outcomes) for v in answers]
+        return answers[max(range(len(answers)), key=mean_reward.__getitem__)]
+
+    assert best(squared=True) == pytest.approx(0.3)  # the value
+    assert best(squared=False) == 0.0  # the median outcome: the diagnosis of "always 1" / "always 0"
+
+
 @pytest.mark.parametrize("r_max", [0.5, 1.0, 2.0])
 def test_a_parse_failure_scores_exactly_like_the_worst_parsed_answer(r_max):
     # the worst parsed answer: 1 when the outcome was 0, and 0 when it was 1
