@@ -116,7 +116,21 @@ def main(args: Args) -> list[Path]:
         sys.exit(f"error: no training runs among {[str(r) for r in args.runs]}")
     logged = {key for seeds in runs.values() for rows in seeds for row in rows for key in row}
     if unknown := [m for m in args.metrics if m not in logged]:
-        sys.exit(f"error: --metrics {unknown} logged by none of the runs; they log e.g. {sorted(logged)[:20]}")
+        hint = ""
+        if any(m.startswith("eval/") for m in unknown) and not any(key.startswith("eval/") for key in logged):
+            hint = (
+                "; no run evaluated (trained with --eval-every 0, as the learning presets are): plot the training"
+                " curve, the sampled success, with --metrics rollout/success_rate"
+            )
+        sys.exit(
+            f"error: --metrics {unknown} logged by none of the runs (no metrics.jsonl row has it){hint}; "
+            f"they log e.g. {sorted(logged)[:20]}"
+        )
+    for metric in args.metrics:
+        if missing := sorted(
+            name for name, seeds in runs.items() if not any(metric in row for rows in seeds for row in rows)
+        ):
+            print(f"{metric}: no rows in the runs of {missing}; they are left out of its panels", file=sys.stderr)
     args.out.mkdir(parents=True, exist_ok=True)
     plot_metrics(runs, args.metrics, args.out / "comparison.png")
     written = [args.out / "comparison.png"]

@@ -56,9 +56,11 @@ def test_every_script_marks_the_same_fork_places_in_order():
     first = marks[SCRIPTS[0]]
     assert [k for k, _ in first] == list(range(1, 7))
     assert all(m == first for m in marks.values())
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## To make a new algorithm") :].split("\n## ")[0]
-    assert re.findall(r"^(\d)\. ", section, re.M) == [str(k) for k, _ in first], "the README lists every fork place"
+    page = (ROOT / "docs" / "new-algorithm.md").read_text()
+    section = page[page.index("# To make a new algorithm") :].split("\n## ")[0]
+    assert re.findall(r"^(\d)\. ", section, re.M) == [str(k) for k, _ in first], (
+        "docs/new-algorithm.md lists every fork place"
+    )
 
 
 def args_fields(name: str) -> dict[str, tuple[str, str]]:

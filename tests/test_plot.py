@@ -107,3 +107,34 @@ def test_nothing_to_plot_fails_clearly(tmp_path):
     result = _plot(tmp_path / "tempo__1__9", "--out", tmp_path / "plots")
     assert result.returncode != 0 and "no training runs" in result.stderr
     assert not (tmp_path / "plots").exists()
+
+
+def _write_training_run(directory, exp_name, seed, success):
+    """A run trained with --eval-every 0 (the learning presets): its rows have the training metrics, no eval/."""
+    directory.mkdir(parents=True)
+    (directory / "config.json").write_text(json.dumps({"exp_name": exp_name, "seed": seed, "eval_every": 0}))
+    rows = [
+        {"update": u, "rollout/generated_tokens": 1000.0, "rollout/success_rate": s, "train/loss": 0.1}
+        for u, s in enumerate(success, start=1)
+    ]
+    (directory / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+
+
+def test_runs_that_never_evaluated_say_so(tmp_path):
+    _write_training_run(tmp_path / "grpo__1__0", "grpo", 1, [0.2, 0.4, 0.6])
+    _write_training_run(tmp_path / "tempo__1__0", "tempo", 1, [0.2, 0.2, 0.3])
+    runs = [tmp_path / "grpo__1__0", tmp_path / "tempo__1__0"]
+    result = _plot(*runs, "--out", tmp_path / "plots", "--metrics", "eval/valid_seen/success_rate")
+    assert result.returncode != 0
+    assert "--metrics ['eval/valid_seen/success_rate'] logged by none of the runs" in result.stderr
+    assert "no run evaluated" in result.stderr and "--metrics rollout/success_rate" in result.stderr
+    assert not (tmp_path / "plots").exists()  # no figure of zeros
+
+    result = _plot(*runs, "--out", tmp_path / "plots", "--metrics", "rollout/success_rate")
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "plots" / "comparison.png").read_bytes().startswith(b"\x89PNG")
+
+    _write_run(tmp_path / "adca__1__0", "adca", 1, [0.1, 0.3], critic=False)  # one experiment evaluated
+    result = _plot(*runs, tmp_path / "adca__1__0", "--out", tmp_path / "mixed")
+    assert result.returncode == 0, result.stderr
+    assert "eval/valid_seen/success_rate: no rows in the runs of ['grpo', 'tempo']" in result.stderr
