@@ -3445,7 +3445,10 @@ TINY_AGENTS = {
     # 4 games with 6-10-step walkthroughs (pick two, clean, cool), 20-turn episodes in macro steps of 5.
     "tiny-agent-long": TinyAgentRecipe(
         task_types=("pick_two_obj_and_place", "pick_clean_then_place_in_recep", "pick_cool_then_place_in_recep"),
-        stages=((("--max-turns", "20", "--macro-rounds", "5", "--num-epochs", "40", "--target-loss", "0.15"), 1),),
+        stages=(
+            (("--max-turns", "20", "--macro-rounds", "5", "--num-epochs", "40", "--target-loss", "0.15"), 1),
+            (("--max-turns", "20", "--macro-rounds", "5", "--num-epochs", "40", "--target-loss", "0.04"), 1),
+        ),
         dir_prefix="long-warm-start",
     ),
 }

@@ -219,6 +219,35 @@ def summarise(results: dict, args: Args) -> str:
     return "\n".join(lines) + "\n"
 
 
+# Per-update signals, means over a run's updates (TEMPO's actor/ and td/: TD updates only), then over seeds
+SIGNALS = (
+    "train/tokens", "gigpo/step_group_size_mean", "gigpo/singleton_step_share", "actor/degenerate_group_rate",
+    "actor/value_gap_zero_reward", "td/restore_failures", "critic/value_corr",
+)  # fmt: skip
+
+
+def signals_summary(results: dict, args: Args) -> str:
+    """The signals each algorithm's updates saw, and TEMPO's critic tokens apart from the actor's."""
+    rows = []
+    for name in args.algorithms:
+        runs = [r for r in results["runs"].values() if r["algorithm"] == name and r.get("metrics")]
+        if not runs:
+            continue
+        cells = []
+        for key in SIGNALS:
+            per_run = [
+                statistics.fmean(values)
+                for r in runs
+                if (values := [m[key] for m in r["metrics"] if key in m and m.get("phase", "td") == "td"])
+            ]
+            cells.append(f"{statistics.fmean(per_run):.3g}" if per_run else "-")
+        critic_tokens = [sum(m.get("critic/generated_tokens", 0) for m in r["metrics"]) for r in runs]
+        cells.append(f"{statistics.fmean(critic_tokens):,.0f}" if any(critic_tokens) else "-")
+        rows.append(f"| {name} | " + " | ".join(cells) + " |")
+    header = "| algorithm | " + " | ".join(f"`{k}`" for k in SIGNALS) + " | critic generated tokens |"
+    return "\n".join([header, "|---|" + "---|" * (len(SIGNALS) + 1), *rows]) + "\n" if rows else ""
+
+
 def critic_summary(results: dict, args: Args) -> str:
     """TEMPO's critic on the held-out states per evaluation point, means over seeds: r and MAE of each critic."""
     critics = ("generative", "value_head", "constant", "nothing_count")
@@ -399,6 +428,10 @@ def main(args: Args) -> None:
 
 def report(results: dict, out: Path, args: Args) -> None:
     table = summarise(results, args)
+    signals = signals_summary(results, args)
+    if signals:
+        table += "\nWhat the updates saw (means over updates, then seeds; TEMPO's actor/ and td/: TD updates):\n\n"
+        table += signals
     critic_table = critic_summary(results, args)
     if critic_table:
         table += "\nTEMPO's critic against true V of held-out states (benchmarks/critic.py), means over seeds:\n\n"
