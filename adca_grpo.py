@@ -1048,7 +1048,7 @@ PRESETS = {  # name -> (what it is, its values); `python adca_grpo.py NAME --fla
         ),
     ),
     "learning": (
-        "the CPU learning benchmark's recipe: tiny agent, its 4 games, 12 updates of 4 x 4, oracle labels (~5 min)",
+        "the CPU learning benchmark's recipe: tiny agent, its 4 games, 12 updates of 4 x 4, oracle labels (~2-3 min)",
         Args(
             model=common.TINY_AGENT,
             task_types=common.TINY_AGENT_TASK_TYPES,

@@ -449,7 +449,7 @@ PRESETS = {  # name -> (what it is, its values); `python gigpo.py NAME --flags`
         ),
     ),
     "learning": (
-        "the CPU learning benchmark's recipe: tiny agent, its 4 games, 12 updates of 4 x 4, state anchors (~5 min)",
+        "the CPU learning benchmark's recipe: tiny agent, its 4 games, 12 updates of 4 x 4, state anchors (~2-3 min)",
         Args(
             model=common.TINY_AGENT,
             task_types=common.TINY_AGENT_TASK_TYPES,

@@ -686,7 +686,7 @@ PRESETS = {  # name -> (what it is, its values); `python tempo.py NAME --flags`
         ),
     ),
     "learning": (
-        "the CPU learning benchmark's recipe: tiny agent, its 4 games, T 6, H 3, 3 warm-up + 9 TD updates (~5 min)",
+        "the CPU learning benchmark's recipe: tiny agent, its 4 games, T 6, H 3, 3 warm-up + 9 TD updates (~2-3 min)",
         Args(
             model=common.TINY_AGENT,
             task_types=common.TINY_AGENT_TASK_TYPES,
