@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import collections
+import concurrent.futures
 import contextlib
 import ctypes
 import dataclasses
@@ -26,6 +28,7 @@ import hashlib
 import io
 import json
 import math
+import multiprocessing
 import os
 import random
 import re
@@ -33,6 +36,7 @@ import shutil
 import subprocess
 import sys
 import time
+import types
 import typing
 import zipfile
 from collections import Counter, defaultdict
@@ -2965,20 +2969,42 @@ def _write_json(path, data):
         json.dump(data, f)
 
 
-def make_games(out_dir, n: int, seed: int = 0, max_receptacles: int = 15, log=print) -> list[str]:
+class _InlineExecutor(concurrent.futures.Executor):
+    """workers=1: each call runs at submit, in this process."""
+
+    def submit(self, fn, /, *args):
+        future = concurrent.futures.Future()
+        future.set_result(fn(*args))
+        return future
+
+
+_PLANNER = None  # one per process: Fast Downward keeps its state in globals
+
+
+def _plan(game):
+    global _PLANNER
+    if _PLANNER is None:
+        _PLANNER = AlfredDemangler(PddlEnv(textworld.EnvInfos(policy_commands=True)))
+    return plan_walkthrough(_PLANNER, game)
+
+
+def make_games(
+    out_dir, n: int, seed: int = 0, max_receptacles: int = 15, log=print, workers: int | None = None
+) -> list[str]:
     """Write n solvable games (round-robin over TASK_TYPES; ~80/10/10 train/valid_seen/valid_unseen) in
-    ALFWorld's download layout under out_dir/json_2.1.1; returns the game files written."""
+    ALFWorld's download layout under out_dir/json_2.1.1; returns the game files written. workers (default: every
+    core) processes plan and replay them; the bytes written do not depend on it."""
     rng = random.Random(seed)
     with open(os.path.join(ALFWORLD_DIR, "data", "alfred.pddl")) as f:
         domain = f.read()
     with open(os.path.join(ALFWORLD_DIR, "data", "alfred.twl2")) as f:
         grammar = f.read()
     scenes = sorted(int(f[9:-13]) for f in os.listdir(LAYOUTS_DIR) if f.endswith("-objects.json"))
-    planner = AlfredDemangler(PddlEnv(textworld.EnvInfos(policy_commands=True)))
+    workers = workers or os.cpu_count() or 1
 
     n_valid = round(n / 10)  # per valid split; the last games, so each split cycles through all task types
 
-    def new_game(i):  # sample until the planner solves one; write it; return its game file
+    def draw(i, first_attempt):  # game i's next candidate from the rng; None when out of attempts
         task_type = TASK_TYPES[i % len(TASK_TYPES)]
         split = "train" if i < n - 2 * n_valid else "valid_seen" if i < n - n_valid else "valid_unseen"
         pool = [
@@ -2987,8 +3013,7 @@ def make_games(out_dir, n: int, seed: int = 0, max_receptacles: int = 15, log=pr
             if (s in UNSEEN_SCENES) == (split == "valid_unseen")
             and ROOM_OF_SCENE[s] in alfred_constants.GOALS_VALID[task_type]
         ]
-        t0 = time.time()
-        for attempt in range(100):
+        for attempt in range(first_attempt, 100):
             scene = rng.choice(pool)
             task = sample_task(rng, task_type, scene)
             if task is None:
@@ -3006,52 +3031,86 @@ def make_games(out_dir, n: int, seed: int = 0, max_receptacles: int = 15, log=pr
                 "grammar": grammar.replace("UNKNOWN GOAL", task_desc),
                 "pddl_problem": planning_problem,
             }
-            walkthrough = plan_walkthrough(planner, game)
-            if not walkthrough:
-                log("  unsolvable: %s in FloorPlan%d" % (task, scene))
-                continue
             game_dir = os.path.join(
                 out_dir, "json_2.1.1", split, "%s-%s-None-%s-%d" % (task_type, obj, parent or toggle, scene), trial
             )
-            os.makedirs(game_dir, exist_ok=True)
-            game.update(pddl_problem=problem, solvable=True, walkthrough=walkthrough)
-            _write_json(os.path.join(game_dir, "game.tw-pddl"), game)
-            _write_json(
-                os.path.join(game_dir, "traj_data.json"),
-                {
-                    "task_id": trial,
-                    "task_type": task_type,
-                    "split": split,
-                    "pddl_params": {
-                        "object_target": obj,
-                        "parent_target": parent or "",
-                        "toggle_target": toggle or "",
-                        "mrecep_target": "",
-                        "object_sliced": False,
-                    },
-                    "scene": {"floor_plan": "FloorPlan%d" % scene, "scene_num": scene},
-                    "turk_annotations": {"anns": [{"task_desc": task_desc}]},
+            traj_data = {
+                "task_id": trial,
+                "task_type": task_type,
+                "split": split,
+                "pddl_params": {
+                    "object_target": obj,
+                    "parent_target": parent or "",
+                    "toggle_target": toggle or "",
+                    "mrecep_target": "",
+                    "object_sliced": False,
                 },
-            )  # templated, not human-written
-            log("game %d/%d: %s (%d steps, %.2fs)" % (i + 1, n, game_dir, len(walkthrough), time.time() - t0))
-            return os.path.join(game_dir, "game.tw-pddl")
-        raise RuntimeError("could not generate a %s game" % task_type)
+                "scene": {"floor_plan": "FloorPlan%d" % scene, "scene_num": scene},
+                "turk_annotations": {"anns": [{"task_desc": task_desc}]},
+            }  # templated, not human-written
+            return types.SimpleNamespace(
+                i=i, attempt=attempt, task=task, scene=scene, game=game, problem=problem, dir=game_dir, traj=traj_data
+            )
+        return None
+
+    def write(c, walkthrough):
+        os.makedirs(c.dir, exist_ok=True)
+        c.game.update(pddl_problem=c.problem, solvable=True, walkthrough=walkthrough)
+        _write_json(os.path.join(c.dir, "game.tw-pddl"), c.game)
+        _write_json(os.path.join(c.dir, "traj_data.json"), c.traj)
+        return os.path.join(c.dir, "game.tw-pddl")
+
+    def generate(todo, executor):
+        """Plan candidates ahead in parallel, drawn as if each were solvable (the rng's state after a draw does
+        not depend on that); accept them in order. An unsolvable one discards those drawn after it and draws
+        again from the rng state right after it: the sequential draws, whatever the number of workers."""
+        lookahead = 1 if workers == 1 else 2 * workers
+        pending = collections.deque()  # (position in todo, candidate, planning future, rng state after the draw)
+        k, attempt, t0 = 0, 0, time.time()
+        while pending or k < len(todo):
+            while k < len(todo) and len(pending) < lookahead:
+                c = draw(todo[k], attempt)
+                pending.append((k, c, c and executor.submit(_plan, c.game), rng.getstate()))
+                k, attempt = k + 1, 0
+            k_head, c, future, state = pending.popleft()
+            if c is None:
+                raise RuntimeError("could not generate a %s game" % TASK_TYPES[todo[k_head] % len(TASK_TYPES)])
+            walkthrough = future.result()
+            if walkthrough:
+                files[c.i] = write(c, walkthrough)
+                log("game %d/%d: %s (%d steps, %.2fs)" % (c.i + 1, n, c.dir, len(walkthrough), time.time() - t0))
+                t0 = time.time()
+                continue
+            log("  unsolvable: %s in FloorPlan%d" % (c.task, c.scene))
+            while pending:
+                later = pending.pop()[2]
+                if later:
+                    later.cancel()  # not started yet: free its worker
+            rng.setstate(state)
+            k, attempt = k_head, c.attempt + 1
 
     files = [None] * n
-    for _ in range(10):  # generate, then replay every new game to won in the real engine
-        todo = [i for i in range(n) if files[i] is None]
-        if not todo:
-            return files
-        for i in todo:
-            files[i] = new_game(i)
-        t0 = time.time()
-        results = replay_games([files[i] for i in todo])
-        log("replayed %d games in %.1fs" % (len(todo), time.time() - t0))
-        for i in todo:
-            if not results[files[i]]:
-                log("  discarded, walkthrough did not win: " + files[i])
-                shutil.rmtree(os.path.dirname(files[i]))
-                files[i] = None
+    executor = (
+        _InlineExecutor()
+        if workers == 1
+        else concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"))
+    )
+    with executor:
+        for _ in range(10):  # generate, then replay every new game to won in the real engine
+            todo = [i for i in range(n) if files[i] is None]
+            if not todo:
+                return files
+            generate(todo, executor)
+            t0, results = time.time(), {}
+            chunks = [[files[i] for i in todo[w::workers]] for w in range(min(workers, len(todo)))]
+            for chunk_results in executor.map(replay_games, chunks):  # replay: most of the time, 1-2 s a game
+                results.update(chunk_results)
+            log("replayed %d games in %.1fs" % (len(todo), time.time() - t0))
+            for i in todo:
+                if not results[files[i]]:
+                    log("  discarded, walkthrough did not win: " + files[i])
+                    shutil.rmtree(os.path.dirname(files[i]))
+                    files[i] = None
     raise RuntimeError("games keep failing their replay")
 
 
@@ -3066,13 +3125,17 @@ def resolve_data_root(data_root: str | None, model: str) -> str:
 def default_data_root(
     n: int = DEFAULT_GAMES, seed: int = DEFAULT_GAMES_SEED, cache_dir: str | Path | None = None
 ) -> Path:
-    """The generated offline game set: made once into the cache (a few minutes, with a progress bar), reused after."""
+    """The generated offline game set: made once into the cache (2-3 minutes on 2 cores, with a progress bar), reused
+    after."""
     from tqdm import tqdm
 
     root = Path(cache_dir or DEFAULT_CACHE_DIR) / f"offline-games-n{n}-seed{seed}"
     if not (root / "json_2.1.1").is_dir():
         tmp = root.with_name(f"{root.name}.tmp{os.getpid()}")
-        with tqdm(total=n, desc=f"generating offline games into {root} (once)", unit="game", file=sys.stderr) as bar:
+        cores = os.cpu_count() or 1
+        minutes = math.ceil(n * 1.1 / cores / 60)  # ~1.1 s of an idle core a game, most of it replaying it
+        desc = f"generating offline games into {root} (once, about {minutes} min on {cores} cores)"
+        with tqdm(total=n, desc=desc, unit="game", file=sys.stderr) as bar:
             make_games(tmp, n, seed, log=lambda line: bar.update(line.startswith("game ")))
         try:
             os.replace(tmp, root)  # atomic; a concurrent generator wrote the same bytes

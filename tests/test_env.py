@@ -267,6 +267,37 @@ def test_make_games_is_deterministic_and_has_a_cli(tmp_path):
     assert all((tmp_path / "direct" / p).read_bytes() == (tmp_path / "cli" / p).read_bytes() for p in direct)
 
 
+def test_parallel_make_games_writes_the_sequential_bytes(tmp_path, monkeypatch):
+    """Workers plan candidates ahead of the sequential rng stream: an unsolvable candidate, or a walkthrough that
+    fails its replay, must lead to the same redraws as with one worker. Neither happens naturally in small sets,
+    so both are forced (forked workers inherit the patches)."""
+    plan, load = common.plan_walkthrough, common.load_walkthrough
+
+    def plan_failing(planner, game):  # game 1's first two candidates (its attempt 0 draws none) and game 4's first
+        unsolvable = ("plan_trial_T7_00001_01", "plan_trial_T7_00001_02", "plan_trial_T7_00004_00")
+        return [] if any(name + ")" in game["pddl_problem"] for name in unsolvable) else plan(planner, game)
+
+    def replayed_walkthrough(game_file):  # game 2's first walkthrough does not win its replay
+        failed_once = tmp_path / ("replay-failed-" + Path(game_file).parents[4].name)
+        if "trial_T7_00002_" in str(game_file) and not failed_once.exists():
+            failed_once.touch()
+            return []
+        return load(game_file)
+
+    monkeypatch.setattr(common, "plan_walkthrough", plan_failing)
+    monkeypatch.setattr(common, "load_walkthrough", replayed_walkthrough)
+    trees, logs = [], []
+    for workers in (1, 2):
+        out, log = tmp_path / f"workers{workers}", []
+        files = common.make_games(out, n=6, seed=7, max_receptacles=5, log=log.append, workers=workers)
+        assert all(Path(f).is_file() for f in files)
+        trees.append({p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()})
+        logs.append([line.replace(str(out), "") for line in log if line.startswith("  ")])  # the redraws
+    assert len(logs[0]) == 4 and sum("unsolvable:" in line for line in logs[0]) == 3, logs[0]
+    assert logs[0] == logs[1]
+    assert len(trees[0]) == 12 and trees[0] == trees[1]
+
+
 def _broken_copy(tmp_path, game_file, breaks: str) -> Path:
     """A copy of one game (in the download layout) with one of its files broken."""
     game_dir = tmp_path / "json_2.1.1/train/pick_and_place_simple-Mug-None-Shelf-1/trial_X"
