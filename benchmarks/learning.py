@@ -58,6 +58,8 @@ ALGORITHMS = {
     "tempo": ("tempo.py", []),
     # at the shared lr (1e-3) TEMPO's importance-sampling loss did not learn (README: Does it learn?)
     "tempo_ppo": ("tempo.py", ["--learning-rate", "1e-4", "--ppo-clip", "0.2", "0.28"]),
+    # and with the critic reward -(V - G)^2, whose best answer is the value (-|V - G|'s: the median outcome)
+    "tempo_ppo_sq": ("tempo.py", ["--learning-rate", "1e-4", "--ppo-clip", "0.2", "0.28", "--critic-error", "squared"]),
 }
 
 
@@ -73,7 +75,7 @@ class Args:
     quick: bool = False
     """one seed, --quick-updates updates: the pipeline end to end in minutes"""
     algorithms: tuple[str, ...] = tuple(ALGORITHMS)
-    """which of grpo, adca_oracle, gigpo, tempo, tempo_ppo to run"""
+    """which of ALGORITHMS to run (grpo, adca_oracle, gigpo, tempo, tempo_ppo, tempo_ppo_sq)"""
     seeds: tuple[int, ...] = (1, 2, 3)
     """seeds per algorithm"""
     updates: int = 12
@@ -372,8 +374,15 @@ def main(args: Args) -> None:
     results = json.loads(results_file.read_text()) if results_file.is_file() else {"runs": {}}
     results["config"] = {**dataclasses.asdict(args), "games": game_files, "updates": updates, "seeds": list(seeds)}
 
-    def save():
-        results_file.write_text(json.dumps(results, indent=1))
+    jobs = [(name, seed) for seed in seeds for name in args.algorithms]
+    ours = {f"{name}-s{seed}" for name, seed in jobs}
+
+    def save():  # merged with the file, so runs of other algorithms or seeds in a parallel process are kept
+        stored = json.loads(results_file.read_text()) if results_file.is_file() else {"runs": {}}
+        results["runs"] = {**stored["runs"], **{key: results["runs"][key] for key in ours if key in results["runs"]}}
+        tmp = results_file.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(results, indent=1))
+        os.replace(tmp, results_file)
 
     if "start" not in results:
         log("evaluating the warm start")
@@ -396,7 +405,6 @@ def main(args: Args) -> None:
         results["start"]["critic"] = critic_point(None)
         save()
     runs_root = cache / f"runs-{mode}"
-    jobs = [(name, seed) for seed in seeds for name in args.algorithms]
     for name, seed in tqdm(jobs, desc="runs", unit="run", dynamic_ncols=True):
         key = f"{name}-s{seed}"
         rdir = run_dir(runs_root, name, seed)
