@@ -3511,6 +3511,7 @@ TINY_AGENTS = {
         stages=(
             (("--max-turns", "20", "--macro-rounds", "5", "--num-epochs", "40", "--target-loss", "0.15"), 1),
             (("--max-turns", "20", "--macro-rounds", "5", "--num-epochs", "40", "--target-loss", "0.04"), 1),
+            (("--max-turns", "20", "--macro-rounds", "5", "--num-epochs", "8"), 2),
         ),
         dir_prefix="long-warm-start",
     ),

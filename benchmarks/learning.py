@@ -58,7 +58,8 @@ ALGORITHMS = {
     "tempo": ("tempo.py", []),
     # at the shared lr (1e-3) TEMPO's importance-sampling loss did not learn (README: Does it learn?)
     "tempo_ppo": ("tempo.py", ["--learning-rate", "1e-4", "--ppo-clip", "0.2", "0.28"]),
-    # and with the critic reward -(V - G)^2, whose best answer is the value (-|V - G|'s: the median outcome)
+    # with the critic reward -(V - G)^2, whose best answer is the value (-|V - G|'s: the median outcome)
+    "tempo_sq": ("tempo.py", ["--critic-error", "squared"]),
     "tempo_ppo_sq": ("tempo.py", ["--learning-rate", "1e-4", "--ppo-clip", "0.2", "0.28", "--critic-error", "squared"]),
 }
 
@@ -75,7 +76,7 @@ class Args:
     quick: bool = False
     """one seed, --quick-updates updates: the pipeline end to end in minutes"""
     algorithms: tuple[str, ...] = tuple(ALGORITHMS)
-    """which of ALGORITHMS to run (grpo, adca_oracle, gigpo, tempo, tempo_ppo, tempo_ppo_sq)"""
+    """which of ALGORITHMS to run (grpo, adca_oracle, gigpo, tempo, tempo_ppo, tempo_sq, tempo_ppo_sq)"""
     seeds: tuple[int, ...] = (1, 2, 3)
     """seeds per algorithm"""
     updates: int = 12
