@@ -81,6 +81,8 @@ class Args:
     """seeds per algorithm"""
     updates: int = 12
     """training updates per run (TEMPO: a quarter warm-up, the rest TD updates)"""
+    tempo_td_updates: int = 0
+    """TD updates of the TEMPO runs (0: --updates minus TEMPO's warm-up); more give TEMPO the others' generated tokens"""
     quick_updates: int = 4
     """updates per run with --quick"""
     eval_every: int = 6
@@ -115,7 +117,8 @@ def algorithm_command(name: str, seed: int, updates: int, warm: Path, games: Pat
     script, flags = ALGORITHMS[name]
     if script == "tempo.py":
         warmup = max(1, updates // 4)
-        flags = [*flags, "--warmup-updates", str(warmup), "--td-updates", str(updates - warmup)]
+        td_updates = run_updates(name, updates, args) - warmup
+        flags = [*flags, "--warmup-updates", str(warmup), "--td-updates", str(td_updates)]
     else:
         flags = [*flags, "--num-updates", str(updates)] + (
             ["--prm-steps", str(updates)] if name == "adca_oracle" else []
@@ -125,6 +128,13 @@ def algorithm_command(name: str, seed: int, updates: int, warm: Path, games: Pat
         "--save-every", str(args.eval_every), "--output-dir", str(runs), "--exp-name", f"{name}-s{seed}",
         "--resume", "auto",
     ]  # fmt: skip
+
+
+def run_updates(name: str, updates: int, args: Args) -> int:
+    """A run's updates: --updates; TEMPO's: a quarter of them warm-up, then --tempo-td-updates TD updates if set."""
+    if ALGORITHMS[name][0] != "tempo.py" or not args.tempo_td_updates or args.quick:
+        return updates
+    return max(1, updates // 4) + args.tempo_td_updates
 
 
 def run_dir(runs: Path, name: str, seed: int) -> Path | None:
@@ -409,7 +419,8 @@ def main(args: Args) -> None:
     for name, seed in tqdm(jobs, desc="runs", unit="run", dynamic_ncols=True):
         key = f"{name}-s{seed}"
         rdir = run_dir(runs_root, name, seed)
-        if rdir is None or not (rdir / "checkpoints" / f"update_{updates:06d}").is_dir():  # not finished yet
+        final = rdir / "checkpoints" / f"update_{run_updates(name, updates, args):06d}" if rdir else None
+        if final is None or not final.is_dir():  # not finished yet
             log(f"{key}: training")
             run(algorithm_command(name, seed, updates, warm, games, runs_root, args), args)
             rdir = run_dir(runs_root, name, seed)
