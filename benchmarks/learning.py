@@ -235,7 +235,7 @@ def summarise(results: dict, args: Args) -> str:
 # Per-update signals, means over a run's updates (TEMPO's actor/ and td/: TD updates only), then over seeds
 SIGNALS = (
     "train/tokens", "gigpo/step_group_size_mean", "gigpo/singleton_step_share", "actor/degenerate_group_rate",
-    "actor/value_gap_zero_reward", "td/restore_failures", "critic/value_corr",
+    "actor/value_gap_zero_reward", "td/restore_failures", "critic/td_target_corr",
 )  # fmt: skip
 
 
