@@ -3122,6 +3122,14 @@ def resolve_data_root(data_root: str | None, model: str) -> str:
     return data_root or str(tiny_agent(name=model)[1] if model in TINY_AGENTS else default_data_root())
 
 
+def generation_time(n: int) -> str:
+    """How long make_games takes for n games on this machine's idle cores: ~1.1 s of a core a game (measured
+    2026-12-01), most of it replaying the game in the stock engine."""
+    cores = os.cpu_count() or 1
+    minutes = n * 1.1 / cores / 60
+    return f"{'under a minute' if minutes < 1 else f'about {round(minutes * 2) / 2:g} min'} on {cores} idle cores"
+
+
 def default_data_root(
     n: int = DEFAULT_GAMES, seed: int = DEFAULT_GAMES_SEED, cache_dir: str | Path | None = None
 ) -> Path:
@@ -3132,9 +3140,7 @@ def default_data_root(
     root = Path(cache_dir or DEFAULT_CACHE_DIR) / f"offline-games-n{n}-seed{seed}"
     if not (root / "json_2.1.1").is_dir():
         tmp = root.with_name(f"{root.name}.tmp{os.getpid()}")
-        cores = os.cpu_count() or 1
-        minutes = math.ceil(n * 1.1 / cores / 60)  # ~1.1 s of an idle core a game, most of it replaying it
-        desc = f"generating offline games into {root} (once, about {minutes} min on {cores} cores)"
+        desc = f"generating offline games into {root} (once, {generation_time(n)})"
         with tqdm(total=n, desc=desc, unit="game", file=sys.stderr) as bar:
             make_games(tmp, n, seed, log=lambda line: bar.update(line.startswith("game ")))
         try:
@@ -3532,7 +3538,7 @@ def tiny_agent(
     recipe, root = TINY_AGENTS[name], Path(root)
     games = root / "games"
     if not (games / "json_2.1.1").is_dir():
-        print(f"[{name}] generating its 12 games into {games} (once)", file=sys.stderr, flush=True)
+        print(f"[{name}] generating its 12 games into {games} (once, {generation_time(12)})", file=sys.stderr)
         tmp = root / f"games.tmp{os.getpid()}"
         make_games(tmp, n=12, seed=0, log=lambda *a: None)
         os.replace(tmp, games)
