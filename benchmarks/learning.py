@@ -56,11 +56,8 @@ ALGORITHMS = {
     "adca_oracle": ("adca_grpo.py", []),
     "gigpo": ("gigpo.py", []),
     "tempo": ("tempo.py", []),
-    # at the shared lr (1e-3) TEMPO's importance-sampling loss did not learn (README: Does it learn?)
+    # PPO clipping at lr 1e-4 against tempo.py's default IS loss at the shared lr (docs/does-it-learn.md)
     "tempo_ppo": ("tempo.py", ["--learning-rate", "1e-4", "--ppo-clip", "0.2", "0.28"]),
-    # with the critic reward -(V - G)^2, whose best answer is the value (-|V - G|'s: the median outcome)
-    "tempo_sq": ("tempo.py", ["--critic-error", "squared"]),
-    "tempo_ppo_sq": ("tempo.py", ["--learning-rate", "1e-4", "--ppo-clip", "0.2", "0.28", "--critic-error", "squared"]),
 }
 
 
@@ -75,8 +72,8 @@ class Args:
     walkthroughs, T 20, TEMPO's H 5 (tiny-agent-long); each script's `learning` / `learning-long` preset"""
     quick: bool = False
     """one seed, --quick-updates updates: the pipeline end to end in minutes"""
-    algorithms: tuple[str, ...] = ("grpo", "adca_oracle", "gigpo", "tempo", "tempo_ppo")
-    """which of ALGORITHMS to run (also tempo_sq, tempo_ppo_sq)"""
+    algorithms: tuple[str, ...] = tuple(ALGORITHMS)
+    """which of grpo, adca_oracle, gigpo, tempo, tempo_ppo to run"""
     seeds: tuple[int, ...] = (1, 2, 3)
     """seeds per algorithm"""
     updates: int = 12
