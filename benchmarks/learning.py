@@ -88,6 +88,9 @@ class Args:
     """sampled (T=1) episodes per game and evaluation point (x 4 games)"""
     start_eval_episodes: int = 32
     """sampled episodes per game for the shared warm start"""
+    warm_start: str = ""
+    """a model directory every run starts from instead of the setting's tiny agent (its games stay); results and runs
+    go to folders named after it"""
     threads: int = 1
     """torch threads of every stage"""
     critic_eval: bool = False
@@ -366,6 +369,7 @@ def main(args: Args) -> None:
     mode = (
         ("quick" if args.quick else "full") if args.setting == "short" else f"long-{'quick' if args.quick else 'full'}"
     )
+    mode += f"-{Path(args.warm_start).name}" if args.warm_start else ""
     out, cache = Path(args.out) / mode, Path(args.cache)
     out.mkdir(parents=True, exist_ok=True)
     seeds = args.seeds[:1] if args.quick else args.seeds
@@ -377,6 +381,7 @@ def main(args: Args) -> None:
         return report(json.loads(results_file.read_text()), out, args)
     agent = SETTINGS[args.setting][0]
     warm, games = common.tiny_agent(cache, args.threads, agent)
+    warm = Path(args.warm_start) if args.warm_start else warm
     game_files = common.discover_games(games, "train", common.TINY_AGENTS[agent].task_types)
     evaluate = Evaluator(warm, game_files, args)
     results = json.loads(results_file.read_text()) if results_file.is_file() else {"runs": {}}
