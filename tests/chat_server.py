@@ -48,9 +48,19 @@ class ScriptedEndpoint:
                     endpoint.attempt_times[content].append(time.monotonic())
                     endpoint.auth_headers.add(self.headers.get("Authorization"))
                     attempt = len(endpoint.attempt_times[content])
+                done = False
+
+                def finish():  # before the reply leaves: a client may send its next request the moment it has it
+                    nonlocal done
+                    if not done:
+                        done = True
+                        with endpoint.lock:
+                            endpoint.in_flight -= 1
+
                 try:
                     status, payload, delay = endpoint.behave(content, attempt)
                     endpoint.stop.wait(delay)
+                    finish()
                     if payload is None:
                         self.close_connection = True
                         self.connection.shutdown(socket.SHUT_RDWR)
@@ -73,8 +83,7 @@ class ScriptedEndpoint:
                 except (BrokenPipeError, ConnectionResetError):
                     pass  # the client gave up (timeout)
                 finally:
-                    with endpoint.lock:
-                        endpoint.in_flight -= 1
+                    finish()
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
