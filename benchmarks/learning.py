@@ -17,6 +17,8 @@ Every stage is cached under --cache, so a killed run picks up where it stopped (
 
     python benchmarks/learning.py                 # the full comparison
     python benchmarks/learning.py --quick         # one seed, fewer updates: a smoke check of the whole pipeline
+    python benchmarks/learning.py --setting long --eval-every 12 --eval-episodes 8 --tempo-td-updates 21
+                                                  # the long-horizon setting (docs/does-it-learn.md)
 """
 
 from __future__ import annotations
