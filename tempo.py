@@ -711,7 +711,7 @@ PRESETS = {  # name -> (what it is, its values); `python tempo.py NAME --flags`
         ),
     ),
     "learning-long": (
-        "the long-horizon CPU benchmark's recipe: tiny-agent-long, pick two / clean / cool games, T 20, H 5",
+        "the long-horizon CPU benchmark's recipe: tiny-agent-long, pick two / clean / cool, T 20, H 5, 3 + 21 updates",
         Args(
             model="tiny-agent-long",
             task_types=common.TINY_AGENTS["tiny-agent-long"].task_types,
@@ -731,7 +731,7 @@ PRESETS = {  # name -> (what it is, its values); `python tempo.py NAME --flags`
             states_per_batch=4,
             warmup_updates=3,
             warmup_games_per_batch=4,
-            td_updates=9,
+            td_updates=21,  # 3 + 21 updates: about the generated tokens of the others' 12 (docs/does-it-learn.md)
             max_critic_tokens=16,
         ),
     ),
