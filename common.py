@@ -2358,6 +2358,7 @@ class RunLogger:
         from tqdm import tqdm
 
         self.run_dir, self.postfix_keys = Path(run_dir), postfix_keys
+        self.recent = {key: collections.deque(maxlen=4) for key in postfix_keys}  # the bar's last 4 updates
         self.active = accelerator.is_main_process
         self.wandb = None
         if not self.active:
@@ -2424,7 +2425,10 @@ class RunLogger:
             )
             self.wandb.log({**numeric, **table}, step=update)
         self.bar.update(1)
-        self.bar.set_postfix({k.split("/")[-1]: f"{numeric[k]:.3g}" for k in self.postfix_keys if k in numeric})
+        for key in (k for k in self.postfix_keys if k in numeric):
+            self.recent[key].append(numeric[key])
+        # means over the last 4 updates: one update's 16 episodes are too noisy to show a trend
+        self.bar.set_postfix({k.split("/")[-1]: f"{sum(v) / len(v):.3g}" for k, v in self.recent.items() if v})
 
     def close(self):
         if not self.active:
