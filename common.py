@@ -3127,17 +3127,17 @@ def resolve_data_root(data_root: str | None, model: str) -> str:
 
 
 def generation_time(n: int) -> str:
-    """How long make_games takes for n games on this machine's idle cores: ~1.1 s of a core a game (measured
-    2026-12-01), most of it replaying the game in the stock engine."""
+    """How long make_games takes for n games on this machine's idle cores: ~2.2 s of a core a game (n=240 on 2 idle
+    cores, 2026-12-01: 268 s wall, 528 s CPU), most of it replaying the game in the stock engine."""
     cores = os.cpu_count() or 1
-    minutes = n * 1.1 / cores / 60
+    minutes = n * 2.2 / cores / 60
     return f"{'under a minute' if minutes < 1 else f'about {round(minutes * 2) / 2:g} min'} on {cores} idle cores"
 
 
 def default_data_root(
     n: int = DEFAULT_GAMES, seed: int = DEFAULT_GAMES_SEED, cache_dir: str | Path | None = None
 ) -> Path:
-    """The generated offline game set: made once into the cache (2-3 minutes on 2 cores, with a progress bar), reused
+    """The generated offline game set: made once into the cache (~4.5 min on 2 cores, with a progress bar), reused
     after."""
     from tqdm import tqdm
 
