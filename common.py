@@ -3528,6 +3528,22 @@ TINY_AGENTS = {
 }
 TINY_AGENT = "tiny-agent"
 TINY_AGENT_TASK_TYPES = TINY_AGENTS[TINY_AGENT].task_types
+# The CPU learning benchmarks' settings every script shares: its `learning` / `learning-long` presets add the rest
+LEARNING_SETTINGS = {
+    name: dict(
+        model=agent,
+        task_types=TINY_AGENTS[agent].task_types,
+        lora_rank=16,
+        lora_alpha=32,
+        learning_rate=1e-3,
+        max_turn_tokens=48,
+        max_trajectory_tokens=trajectory_tokens,
+        sample_batch_size=64,
+        save_every=6,
+        eval_every=0,  # benchmarks/learning.py evaluates each checkpoint on the training games itself
+    )
+    for name, agent, trajectory_tokens in (("learning", TINY_AGENT, 8192), ("learning-long", "tiny-agent-long", 16384))
+}
 # tiny-agent's weights ship with the repo (3.7 MB), so a first run waits only for its games; `python common.py
 # make-tiny-agent --out DIR` rebuilds them bit for bit (~7 min on one CPU thread) and compares
 SHIPPED_AGENTS_DIR = Path(__file__).resolve().parent / "assets"

@@ -688,16 +688,7 @@ PRESETS = {  # name -> (what it is, its values); `python tempo.py NAME --flags`
     "learning": (
         "the CPU learning benchmark's recipe: tiny agent, its 4 games, T 6, H 3, 3 warm-up + 9 TD updates (~2-3 min)",
         Args(
-            model=common.TINY_AGENT,
-            task_types=common.TINY_AGENT_TASK_TYPES,
-            lora_rank=16,
-            lora_alpha=32,
-            learning_rate=1e-3,
-            max_turn_tokens=48,
-            max_trajectory_tokens=8192,
-            sample_batch_size=64,
-            save_every=6,
-            eval_every=0,  # the benchmark evaluates each checkpoint on the training games itself
+            **common.LEARNING_SETTINGS["learning"],
             macro_rounds=3,
             max_episode_steps=6,
             branches=4,
@@ -713,16 +704,7 @@ PRESETS = {  # name -> (what it is, its values); `python tempo.py NAME --flags`
     "learning-long": (
         "the long-horizon CPU benchmark's recipe: tiny-agent-long, pick two / clean / cool, T 20, H 5, 3 + 21 updates",
         Args(
-            model="tiny-agent-long",
-            task_types=common.TINY_AGENTS["tiny-agent-long"].task_types,
-            lora_rank=16,
-            lora_alpha=32,
-            learning_rate=1e-3,
-            max_turn_tokens=48,
-            max_trajectory_tokens=16384,
-            sample_batch_size=64,
-            save_every=6,
-            eval_every=0,
+            **common.LEARNING_SETTINGS["learning-long"],
             macro_rounds=5,
             max_episode_steps=20,
             branches=4,
