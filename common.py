@@ -3572,14 +3572,21 @@ def tiny_agent(
         if not (path / "sft.json").is_file():
             print(f"[{name}] warm start stage {stage}/{len(recipe.stages)} into {path} (once)", file=sys.stderr)
             env = {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
-            command = [
-                "sft.py", "--model", str(model), "--output-dir", str(path), "--data-root", str(games),
-                "--task-types", *recipe.task_types, "--episodes-per-game", "8", "--noise-eps", "0.2",
-                "--critic-examples", "--learning-rate", "1e-3", "--batch-tokens", "4096", "--seed", str(seed), *flags,
-            ]  # fmt: skip
+            command = tiny_agent_stage_command(name, stage, model, path, games)
             subprocess.run([sys.executable, *command], cwd=Path(__file__).resolve().parent, env=env, check=True)
         model = path
     return model, games
+
+
+def tiny_agent_stage_command(name: str, stage: int, model: str | Path, out: str | Path, games: str | Path) -> list[str]:
+    """The sft.py command line of stage `stage` (1-based) of the tiny agent `name`, from `model` into `out`."""
+    recipe = TINY_AGENTS[name]
+    flags, seed = recipe.stages[stage - 1]
+    return [
+        "sft.py", "--model", str(model), "--output-dir", str(out), "--data-root", str(games),
+        "--task-types", *recipe.task_types, "--episodes-per-game", "8", "--noise-eps", "0.2",
+        "--critic-examples", "--learning-rate", "1e-3", "--batch-tokens", "4096", "--seed", str(seed), *flags,
+    ]  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -15,9 +15,11 @@ with the benchmark's TEMPO flags (benchmarks/learning.py's `algorithm_command`):
      and Runtime.train), a value head trained on the same batches and targets alongside, then step 3 again (V
      re-estimated: the warm-up moves the adapter the actor shares);
   5. the fix at the source: sft.py --critic-states, critic examples on the pool answered with the states' V, on the
-     warm start; steps 3-4 again for that policy.
+     warm start (--fix extra-stage) or in place of the Monte-Carlo critic examples of its last stage (--fix
+     last-stage); steps 3-4 again for that policy.
 
     python benchmarks/critic.py        # results.json and critic_table.md in --out
+    python benchmarks/critic.py --setting long --fix last-stage --warmups recipe --out benchmarks/results/critic-long
 
 Stages are cached under --cache (states and values, the fixed warm start, a score per policy and warm-up): rerun to
 resume. benchmarks/learning.py uses Probe to score TEMPO's checkpoints on the same held-out states.
@@ -89,9 +91,12 @@ class Args:
     """critic answers per held-out state when scoring"""
     warmups: tuple[str, ...] = tuple(w.name for w in WARMUPS)
     """warm-ups of WARMUPS run from the warm start and scored"""
+    fix: Literal["extra-stage", "last-stage"] = "extra-stage"
+    """the fix, critic examples on the warm start's own pool answered with V (sft.py --critic-states): extra-stage:
+    --fix-epochs of sft.py on the warm start with them, beside noisy-expert actor examples; last-stage: the warm
+    start's last sft.py stage redone with them in place of its Monte-Carlo critic examples (the same actor data)"""
     fix_epochs: float = 10.0
-    """the fix: epochs of sft.py on the warm start with --critic-states (critic examples on its own pool, V targets)
-    beside noisy-expert actor examples as in its last stage (critic examples alone, 10 epochs: the actor never won)"""
+    """extra-stage: epochs of the fix (critic examples alone, 10 epochs: the actor never won)"""
     fix_warmups: tuple[str, ...] = ("recipe",)
     """warm-ups of WARMUPS run from the fixed warm start and scored"""
     seed: int = 1
@@ -578,24 +583,32 @@ class Probe:
 
 
 def fixed_warm_start(probe: Probe, args: Args) -> Path:
-    """The fix at the source: the warm start fine-tuned by sft.py on TEMPO critic examples of its own training pool,
-    answered with the states' estimated V (--critic-states), beside fresh noisy-expert actor examples (cached)."""
-    path = probe.dir / "warm-start-critic"
-    if not (path / "sft.json").is_file():
+    """The fix at the source (--fix): TEMPO critic examples of the warm start's own training pool answered with the
+    states' estimated V (sft.py --critic-states), beside noisy-expert actor examples (cached)."""
+    path = probe.dir / ("warm-start-critic" if args.fix == "extra-stage" else "last-stage-critic")
+    if (path / "sft.json").is_file():
+        return path
+    agent, states = learning.SETTINGS[args.setting][0], str(probe.dir / "critic_states.jsonl")
+    if args.fix == "extra-stage":
         log(f"the fix: sft.py --critic-states on the warm start, {args.fix_epochs:g} epochs")
-        bench, rt_args = (
-            learning.Args(threads=args.threads),
-            tempo_args(probe.warm, probe.games_dir, setting=args.setting),
-        )
+        rt_args = tempo_args(probe.warm, probe.games_dir, setting=args.setting)
         command = [
             "sft.py", "--model", str(probe.warm), "--output-dir", str(path), "--data-root", str(probe.games_dir),
-            "--task-types", *common.TINY_AGENTS[learning.SETTINGS[args.setting][0]].task_types,
-            "--critic-states", str(probe.dir / "critic_states.jsonl"), "--episodes-per-game", "8", "--noise-eps", "0.2",
+            "--task-types", *common.TINY_AGENTS[agent].task_types,
+            "--critic-states", states, "--episodes-per-game", "8", "--noise-eps", "0.2",
             "--max-turns", str(rt_args.max_episode_steps), "--macro-rounds", str(rt_args.macro_rounds),
             "--learning-rate", "1e-3", "--batch-tokens", "4096",
             "--num-epochs", str(args.fix_epochs), "--seed", str(args.seed),
         ]  # fmt: skip
-        learning.run(command, bench)
+    else:
+        recipe = common.TINY_AGENTS[agent]
+        last = len(recipe.stages)
+        log(f"the fix: the warm start's stage {last} redone with --critic-states instead of --critic-examples")
+        previous = Path(args.cache) / f"{recipe.dir_prefix}-stage{last - 1}"
+        common.tiny_agent(args.cache, args.threads, agent, shipped=False)  # its stages, built once if missing
+        command = common.tiny_agent_stage_command(agent, last, previous, path, probe.games_dir)
+        command = [*(flag for flag in command if flag != "--critic-examples"), "--critic-states", states]
+    learning.run(command, learning.Args(threads=args.threads))
     return path
 
 

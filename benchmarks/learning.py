@@ -63,6 +63,21 @@ ALGORITHMS = {
 }
 
 
+def algorithm(name: str) -> tuple[str, list[str]]:
+    """(script, flags) of `name`: a key of ALGORITHMS, or KEY@LR, the same at learning rate LR (an lr sweep)."""
+    key, _, lr = name.partition("@")
+    if key not in ALGORITHMS:
+        raise ValueError(f"--algorithms: unknown {name!r}; expected some of {list(ALGORITHMS)}, each maybe @LR")
+    script, flags = ALGORITHMS[key]
+    if lr:
+        try:
+            float(lr)
+        except ValueError:
+            raise ValueError(f"--algorithms {name!r}: {lr!r} after '@' is not a learning rate") from None
+        flags = [*flags, "--learning-rate", lr]  # after the variant's own --learning-rate: the later flag wins
+    return script, flags
+
+
 @dataclass
 class Args:
     out: str = "benchmarks/results/learning"
@@ -75,7 +90,7 @@ class Args:
     quick: bool = False
     """one seed, --quick-updates updates: the pipeline end to end in minutes"""
     algorithms: tuple[str, ...] = tuple(ALGORITHMS)
-    """which of grpo, adca_oracle, gigpo, tempo, tempo_ppo to run"""
+    """which of grpo, adca_oracle, gigpo, tempo, tempo_ppo to run; NAME@LR: that one at learning rate LR"""
     seeds: tuple[int, ...] = (1, 2, 3)
     """seeds per algorithm"""
     updates: int = 12
@@ -116,14 +131,14 @@ def run(command: list[str], args: Args) -> None:
 # =============================================================================================
 def algorithm_command(name: str, seed: int, updates: int, warm: Path, games: Path, runs: Path, args: Args) -> list[str]:
     """`script.py learning`: the script's own preset of the benchmark's recipe, at this run's seed and updates."""
-    script, flags = ALGORITHMS[name]
+    script, flags = algorithm(name)
     if script == "tempo.py":
         warmup = max(1, updates // 4)
         td_updates = run_updates(name, updates, args) - warmup
         flags = [*flags, "--warmup-updates", str(warmup), "--td-updates", str(td_updates)]
     else:
         flags = [*flags, "--num-updates", str(updates)] + (
-            ["--prm-steps", str(updates)] if name == "adca_oracle" else []
+            ["--prm-steps", str(updates)] if name.partition("@")[0] == "adca_oracle" else []
         )
     return [
         script, SETTINGS[args.setting][1], *flags, "--model", str(warm), "--data-root", str(games), "--seed", str(seed),
@@ -134,7 +149,7 @@ def algorithm_command(name: str, seed: int, updates: int, warm: Path, games: Pat
 
 def run_updates(name: str, updates: int, args: Args) -> int:
     """A run's updates: --updates; TEMPO's: a quarter of them warm-up, then --tempo-td-updates TD updates if set."""
-    if ALGORITHMS[name][0] != "tempo.py" or not args.tempo_td_updates or args.quick:
+    if algorithm(name)[0] != "tempo.py" or not args.tempo_td_updates or args.quick:
         return updates
     return max(1, updates // 4) + args.tempo_td_updates
 
@@ -363,9 +378,8 @@ def plot(results: dict, out: Path, args: Args) -> None:
 def main(args: Args) -> None:
     from tqdm import tqdm
 
-    unknown = set(args.algorithms) - set(ALGORITHMS)
-    if unknown:
-        raise ValueError(f"--algorithms: unknown {sorted(unknown)}; expected some of {ALGORITHMS}")
+    for name in args.algorithms:
+        algorithm(name)
     if args.eval_every < 1 or args.updates < 1:
         raise ValueError("--updates and --eval-every must be >= 1")
     mode = (
@@ -411,8 +425,9 @@ def main(args: Args) -> None:
 
         nonlocal probe
         probe = probe or critic.Probe(critic.Args(cache=str(cache), setting=args.setting, threads=args.threads))
-        wins = probe.warm_wins if checkpoint is None else None  # the warm start's V: estimated with its states
-        return probe.evaluate(probe.runtime(checkpoint=checkpoint), wins)
+        # the held-out states of the setting's tiny agent; V under the policy scored (the tiny agent's: its states')
+        wins = probe.warm_wins if checkpoint is None and warm == probe.warm else None
+        return probe.evaluate(probe.runtime(warm, checkpoint), wins)
 
     tempo_runs = any(name.startswith("tempo") for name in args.algorithms)
     if args.critic_eval and tempo_runs and "critic" not in results["start"]:

@@ -199,3 +199,22 @@ def test_the_learning_presets_are_what_the_learning_benchmark_runs(module, setti
     )
     episode_cap = preset.max_episode_steps if module is tempo else preset.max_turns
     assert episode_cap == recipe.max_turns
+
+
+def test_the_learning_benchmark_runs_a_variant_at_another_learning_rate():
+    import learning
+
+    bench = learning.Args()
+    command = learning.algorithm_command("tempo_ppo@3e-3", 1, 12, Path("/m"), Path("/g"), Path("/r"), bench)
+    args = parsed(tempo, command[1:])
+    assert (args.learning_rate, args.ppo_clip) == (3e-3, (0.2, 0.28))  # the variant's clip, the sweep's lr
+    assert command[command.index("--exp-name") + 1] == "tempo_ppo@3e-3-s1"
+    assert (
+        parsed(adca_grpo, learning.algorithm_command("grpo", 1, 12, *[Path("/x")] * 3, bench)[1:]).learning_rate == 1e-3
+    )
+    for name, message in (
+        ("tempo@fast", "'fast' after '@' is not a learning rate"),
+        ("ppo@1e-3", "unknown 'ppo@1e-3'"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            learning.algorithm(name)
