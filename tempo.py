@@ -100,7 +100,12 @@ class Args:
     """critic reward -|V - G| / r_max (the source; its best answer is G's median: 0 or 1 for 0/1 outcomes) or
     squared, -((V - G) / r_max)^2 (its best answer is G's mean: the state's value)"""
     ppo_clip: tuple[float, float] | None = None
-    """(eps_low, eps_high): PPO-clip the ratio; None = plain importance-sampling policy gradient (Tinker style)"""
+    """(eps_low, eps_high): PPO-clip the ratio; None = plain importance-sampling policy gradient (Tinker style). The
+    clip acts only from an update's second optimizer step (--ppo-epochs, --mini-batches): at the first the ratio is 1"""
+    ppo_epochs: int = 1
+    """passes over each update's datums (old logprobs are recomputed by the policy when this or --mini-batches > 1)"""
+    mini_batches: int = 1
+    """optimizer steps per pass (the update's actor and critic datums split at random)"""
     prefix_is_correction: bool = False
     """weight a stored state's actor advantages by p_now(prefix) / p_old(prefix)"""
     prefix_is_max_weight: float = 2.0
@@ -344,6 +349,7 @@ def validate_args(args: Args) -> None:
     common.check_bounds(
         args, ">= 1", "prefix_is_max_weight", "max_turn_tokens", "max_critic_tokens", "critic_step_chars"
     )
+    common.check_bounds(args, ">= 1", "ppo_epochs", "mini_batches")
     common.check_bounds(args, ">= 0", "warmup_updates", "td_updates")
     common.check_bounds(args, "> 0", "r_max")
     common.check(
@@ -411,8 +417,10 @@ class Runtime(common.Runtime):
         return prompt if len(prompt) <= args.max_trajectory_tokens - args.max_critic_tokens else None
 
     def train(self, datums: list[common.Datum]) -> dict:
-        drift = common.refresh_old_logprobs(self, datums)
-        return drift | common.train_step(self, datums, functools.partial(policy_loss, clip=self.args.ppo_clip))
+        args = self.args
+        drift = common.refresh_old_logprobs(self, datums, always=args.ppo_epochs * args.mini_batches > 1)
+        loss_fn = functools.partial(policy_loss, clip=args.ppo_clip)
+        return drift | common.ppo_steps(self, datums, loss_fn, args.ppo_epochs, args.mini_batches)
 
 
 def sample_critic(rt: Runtime, requests: Sequence[tuple[list[int] | None, int]]) -> list[list[common.Completion]]:

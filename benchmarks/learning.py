@@ -58,8 +58,11 @@ ALGORITHMS = {
     "adca_oracle": ("adca_grpo.py", []),
     "gigpo": ("gigpo.py", []),
     "tempo": ("tempo.py", []),
-    # PPO clipping at lr 1e-4 against tempo.py's default IS loss at the shared lr (docs/does-it-learn.md)
+    # PPO clipping at lr 1e-4 against tempo.py's default IS loss at the shared lr (docs/does-it-learn.md); with one
+    # optimizer step per update the clip never acts (the ratio is 1), so this is the IS loss at lr 1e-4
     "tempo_ppo": ("tempo.py", ["--learning-rate", "1e-4", "--ppo-clip", "0.2", "0.28"]),
+    # PPO clipping where it acts: 4 optimizer steps per update (mini-batches), at the shared lr
+    "tempo_ppo4": ("tempo.py", ["--ppo-clip", "0.2", "0.28", "--mini-batches", "4"]),
 }
 
 
@@ -90,7 +93,7 @@ class Args:
     quick: bool = False
     """one seed, --quick-updates updates: the pipeline end to end in minutes"""
     algorithms: tuple[str, ...] = tuple(ALGORITHMS)
-    """which of grpo, adca_oracle, gigpo, tempo, tempo_ppo to run; NAME@LR: that one at learning rate LR"""
+    """which of ALGORITHMS to run (grpo, adca_oracle, gigpo, tempo, tempo_ppo, tempo_ppo4); NAME@LR: at lr LR"""
     seeds: tuple[int, ...] = (1, 2, 3)
     """seeds per algorithm"""
     updates: int = 12

@@ -357,6 +357,16 @@ def test_ppo_clip_option_stops_the_gradient_outside_the_band(runtime):
     assert metrics["train/clip_frac"] == 0.0 and metrics["train/grad_norm"] > 0  # pessimistic side: not clipped
 
 
+def test_ppo_epochs_let_the_clip_act_from_the_second_optimizer_step(runtime):
+    rt = runtime(learning_rate=1e-2, ppo_clip=(1e-3, 1e-3), ppo_epochs=2)
+    prompt = rt.fresh_state().prefix_tokens
+    (reply,) = rt.sample_fn([prompt], 16)
+    metrics = rt.train([tempo.critic_datum(prompt, reply, 1.0)])
+    assert metrics["train/optimizer_steps"] == 2
+    # the mean over the two steps: the first at ratio 1 (nothing clipped), the second after the first moved the policy
+    assert 0.0 < metrics["train/clip_frac"] <= 0.5
+
+
 def test_token_budget_batches():
     batches = common.token_budget_batches([10, 50, 20, 30, 200], 60)
     assert batches == [[4], [1], [3, 2], [0]]  # longest first; rows x longest <= budget, an oversize row alone
