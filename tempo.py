@@ -347,9 +347,9 @@ def validate_args(args: Args) -> None:
     common.validate_model_args(args)
     common.check_bounds(args, ">= 1", "macro_rounds", "endpoint_samples", "states_per_batch", "warmup_games_per_batch")
     common.check_bounds(
-        args, ">= 1", "prefix_is_max_weight", "max_turn_tokens", "max_critic_tokens", "critic_step_chars"
-    )
-    common.check_bounds(args, ">= 1", "ppo_epochs", "mini_batches")
+        args, ">= 1", "prefix_is_max_weight", "max_turn_tokens", "max_critic_tokens", "critic_step_chars",
+        "ppo_epochs", "mini_batches",
+    )  # fmt: skip
     common.check_bounds(args, ">= 0", "warmup_updates", "td_updates")
     common.check_bounds(args, "> 0", "r_max")
     common.check(

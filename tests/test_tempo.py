@@ -190,6 +190,7 @@ def test_a_parse_failure_scores_exactly_like_the_worst_parsed_answer(r_max):
         (dict(state_store_capacity=2, states_per_batch=4), "--state-store-capacity"),
         (dict(r_max=0.0), "--r-max"),
         (dict(ppo_clip=(1.5, 0.2)), "--ppo-clip"),
+        (dict(mini_batches=0), "--mini-batches"),
         (dict(max_trajectory_tokens=512, max_turn_tokens=512), "--max-trajectory-tokens"),
         (dict(max_critic_tokens=24576), "--max-critic-tokens"),
         (dict(critic_step_chars=0), "--critic-step-chars"),
