@@ -86,6 +86,9 @@ class Args:
     """critic samples averaged into the value of one branch endpoint"""
     states_per_batch: int = 4
     """start states per TD update (per process)"""
+    fresh_state_share: float = 0.0
+    """share of each TD update's start states that are fresh games (0, the source: stored states, fresh games only
+    when the store runs short); keeps some starts at the task's beginning when the store fills with dead ends"""
     warmup_updates: int = 4
     """phase 1: critic-only updates on Monte-Carlo returns"""
     warmup_games_per_batch: int = 4
@@ -354,6 +357,10 @@ def validate_args(args: Args) -> None:
     common.check_bounds(args, "> 0", "r_max")
     common.check(
         (
+            0 <= args.fresh_state_share <= 1,
+            f"--fresh-state-share must be in [0, 1], got {args.fresh_state_share}",
+        ),
+        (
             args.max_episode_steps >= 1 and (args.eval_only or args.max_episode_steps % args.macro_rounds == 0),
             f"--max-episode-steps ({args.max_episode_steps}) must be a positive multiple of --macro-rounds ({args.macro_rounds})",
         ),
@@ -534,8 +541,8 @@ def prefix_weights(rt: Runtime, starts: Sequence[common.SavedState]) -> list[flo
 
 def td_update(rt: Runtime) -> tuple[dict, list[dict]]:
     args, t0 = rt.args, time.time()
-    # ---- Phase 2, step 1: start states, uniformly from the store; fresh games when it runs short
-    starts = rt.store.take(args.states_per_batch, rt.rng)
+    # ---- Phase 2, step 1: start states, uniformly from the store; fresh games when it runs short (or by share)
+    starts = rt.store.take(args.states_per_batch - round(args.fresh_state_share * args.states_per_batch), rt.rng)
     fresh = args.states_per_batch - len(starts)
     starts += [rt.fresh_state() for _ in range(fresh)]
 

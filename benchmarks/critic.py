@@ -589,25 +589,18 @@ def fixed_warm_start(probe: Probe, args: Args) -> Path:
     if (path / "sft.json").is_file():
         return path
     agent, states = learning.SETTINGS[args.setting][0], str(probe.dir / "critic_states.jsonl")
+    recipe = common.TINY_AGENTS[agent]
+    last = len(recipe.stages)
     if args.fix == "extra-stage":
         log(f"the fix: sft.py --critic-states on the warm start, {args.fix_epochs:g} epochs")
-        rt_args = tempo_args(probe.warm, probe.games_dir, setting=args.setting)
-        command = [
-            "sft.py", "--model", str(probe.warm), "--output-dir", str(path), "--data-root", str(probe.games_dir),
-            "--task-types", *common.TINY_AGENTS[agent].task_types,
-            "--critic-states", states, "--episodes-per-game", "8", "--noise-eps", "0.2",
-            "--max-turns", str(rt_args.max_episode_steps), "--macro-rounds", str(rt_args.macro_rounds),
-            "--learning-rate", "1e-3", "--batch-tokens", "4096",
-            "--num-epochs", str(args.fix_epochs), "--seed", str(args.seed),
-        ]  # fmt: skip
+        model, extra = probe.warm, ["--num-epochs", str(args.fix_epochs), "--seed", str(args.seed)]
     else:
-        recipe = common.TINY_AGENTS[agent]
-        last = len(recipe.stages)
         log(f"the fix: the warm start's stage {last} redone with --critic-states instead of --critic-examples")
-        previous = Path(args.cache) / f"{recipe.dir_prefix}-stage{last - 1}"
         common.tiny_agent(args.cache, args.threads, agent, shipped=False)  # its stages, built once if missing
-        command = common.tiny_agent_stage_command(agent, last, previous, path, probe.games_dir)
-        command = [*(flag for flag in command if flag != "--critic-examples"), "--critic-states", states]
+        model, extra = Path(args.cache) / f"{recipe.dir_prefix}-stage{last - 1}", []
+    # the last stage's data and flags (T, H, lr, noisy expert), its Monte-Carlo critic examples swapped for V's
+    command = common.tiny_agent_stage_command(agent, last, model, path, probe.games_dir)
+    command = [*(flag for flag in command if flag != "--critic-examples"), "--critic-states", states, *extra]
     learning.run(command, learning.Args(threads=args.threads))
     return path
 

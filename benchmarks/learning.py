@@ -63,6 +63,8 @@ ALGORITHMS = {
     "tempo_ppo": ("tempo.py", ["--learning-rate", "1e-4", "--ppo-clip", "0.2", "0.28"]),
     # PPO clipping where it acts: 4 optimizer steps per update (mini-batches), at the shared lr
     "tempo_ppo4": ("tempo.py", ["--ppo-clip", "0.2", "0.28", "--mini-batches", "4"]),
+    # half of each TD update's starts fresh games (the source: stored states only, once the store holds enough)
+    "tempo_fresh": ("tempo.py", ["--fresh-state-share", "0.5"]),
 }
 
 
@@ -93,7 +95,7 @@ class Args:
     quick: bool = False
     """one seed, --quick-updates updates: the pipeline end to end in minutes"""
     algorithms: tuple[str, ...] = tuple(ALGORITHMS)
-    """which of ALGORITHMS to run (grpo, adca_oracle, gigpo, tempo, tempo_ppo, tempo_ppo4); NAME@LR: at lr LR"""
+    """which of ALGORITHMS to run (grpo, adca_oracle, gigpo, tempo, tempo_ppo, ...); NAME@LR: at lr LR"""
     seeds: tuple[int, ...] = (1, 2, 3)
     """seeds per algorithm"""
     updates: int = 12

@@ -191,6 +191,7 @@ def test_a_parse_failure_scores_exactly_like_the_worst_parsed_answer(r_max):
         (dict(r_max=0.0), "--r-max"),
         (dict(ppo_clip=(1.5, 0.2)), "--ppo-clip"),
         (dict(mini_batches=0), "--mini-batches"),
+        (dict(fresh_state_share=1.5), "--fresh-state-share"),
         (dict(max_trajectory_tokens=512, max_turn_tokens=512), "--max-trajectory-tokens"),
         (dict(max_critic_tokens=24576), "--max-critic-tokens"),
         (dict(critic_step_chars=0), "--critic-step-chars"),
@@ -356,6 +357,15 @@ def test_ppo_clip_option_stops_the_gradient_outside_the_band(runtime):
     assert metrics["train/ratio_mean"] == pytest.approx(math.e, rel=1e-3)
     metrics = rt.train([tempo.critic_datum(prompt, common.Completion(reply.tokens, stale, reply.text), -1.0)])
     assert metrics["train/clip_frac"] == 0.0 and metrics["train/grad_norm"] > 0  # pessimistic side: not clipped
+
+
+def test_fresh_state_share_starts_some_td_updates_at_the_beginning(runtime):
+    rt = runtime(critic_samples=2, endpoint_samples=1, fresh_state_share=0.5)
+    rt.sample_fn, _ = scored_script(rt, patterns=PARSED_PATTERNS)
+    first, _ = tempo.td_update(rt)
+    assert first["td/fresh_states"] == 2 and first["td/store_size"] == 4  # an empty store: all fresh
+    second, _ = tempo.td_update(rt)
+    assert second["td/fresh_states"] == 1 and second["td/macro_index_mean"] == 0.5  # 1 of 2 stored, 1 fresh
 
 
 def test_ppo_epochs_let_the_clip_act_from_the_second_optimizer_step(runtime):
