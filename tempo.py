@@ -87,7 +87,7 @@ class Args:
     states_per_batch: int = 4
     """start states per TD update (per process)"""
     fresh_state_share: float = 0.0
-    """share of each TD update's start states that are fresh games (0, the source: stored states, fresh games only
+    """share of each TD update's start states that are fresh games (0: stored states, fresh games only
     when the store runs short); keeps some starts at the task's beginning when the store fills with dead ends"""
     warmup_updates: int = 4
     """phase 1: critic-only updates on Monte-Carlo returns"""
