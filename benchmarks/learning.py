@@ -19,6 +19,8 @@ Every stage is cached under --cache, so a killed run picks up where it stopped (
     python benchmarks/learning.py --quick         # one seed, fewer updates: a smoke check of the whole pipeline
     python benchmarks/learning.py --setting long --eval-every 12 --eval-episodes 8 --tempo-td-updates 21
                                                   # the long-horizon setting (docs/does-it-learn.md)
+    python benchmarks/learning.py --seeds 1 --algorithms grpo@3e-4 grpo tempo@3e-4 tempo
+                                                  # an lr sweep: NAME@LR is the variant NAME at lr LR
 """
 
 from __future__ import annotations
