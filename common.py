@@ -3578,14 +3578,18 @@ def tiny_agent(
     return model, games
 
 
-def tiny_agent_stage_command(name: str, stage: int, model: str | Path, out: str | Path, games: str | Path) -> list[str]:
-    """The sft.py command line of stage `stage` (1-based) of the tiny agent `name`, from `model` into `out`."""
+def tiny_agent_stage_command(
+    name: str, stage: int, model: str | Path, out: str | Path, games: str | Path, critic_examples: bool = True
+) -> list[str]:
+    """The sft.py command line of stage `stage` (1-based) of the tiny agent `name`, from `model` into `out`; with
+    its Monte-Carlo TEMPO critic examples unless critic_examples is False."""
     recipe = TINY_AGENTS[name]
     flags, seed = recipe.stages[stage - 1]
     return [
         "sft.py", "--model", str(model), "--output-dir", str(out), "--data-root", str(games),
         "--task-types", *recipe.task_types, "--episodes-per-game", "8", "--noise-eps", "0.2",
-        "--critic-examples", "--learning-rate", "1e-3", "--batch-tokens", "4096", "--seed", str(seed), *flags,
+        *(["--critic-examples"] if critic_examples else []),
+        "--learning-rate", "1e-3", "--batch-tokens", "4096", "--seed", str(seed), *flags,
     ]  # fmt: skip
 
 

@@ -599,8 +599,8 @@ def fixed_warm_start(probe: Probe, args: Args) -> Path:
         common.tiny_agent(args.cache, args.threads, agent, shipped=False)  # its stages, built once if missing
         model, extra = Path(args.cache) / f"{recipe.dir_prefix}-stage{last - 1}", []
     # the last stage's data and flags (T, H, lr, noisy expert), its Monte-Carlo critic examples swapped for V's
-    command = common.tiny_agent_stage_command(agent, last, model, path, probe.games_dir)
-    command = [*(flag for flag in command if flag != "--critic-examples"), "--critic-states", states, *extra]
+    command = common.tiny_agent_stage_command(agent, last, model, path, probe.games_dir, critic_examples=False)
+    command += ["--critic-states", states, *extra]
     learning.run(command, learning.Args(threads=args.threads))
     return path
 
