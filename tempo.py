@@ -105,13 +105,21 @@ class Args:
     state_store_capacity: int = 256
     """FIFO capacity of the store of macro-boundary states"""
     state_selection: Literal["uncertain", "uniform"] = "uncertain"
-    """uncertain: store an endpoint only when its critic value lies inside --uncertain-band, draw start states with
-    probability 1 - V^N - (1 - V)^N (the chance that N branches disagree); uniform: the source's rule, every endpoint
-    stored and drawn uniformly (at long horizon the store fills with dead ends)"""
-    uncertain_band: tuple[float, float] = (0.05, 0.95)
-    """(lo, hi): with --state-selection uncertain, endpoints valued outside (lo, hi) are not stored"""
+    """uncertain: draw start states with probability 1 - V^N - (1 - V)^N + --uncertain-floor (the chance that N branches
+    from a state the critic values V disagree) among the endpoints valued inside --uncertain-band; uniform: the
+    source's rule, every endpoint stored and drawn uniformly (at long horizon the store fills with dead ends)"""
+    uncertain_band: tuple[float, float] = (0.0, 1.0)
+    """[lo, hi]: with --state-selection uncertain, endpoints valued outside it are not stored (default: none left out)"""
+    uncertain_floor: float = 0.05
+    """added to every stored state's draw weight, so states the critic calls certain are still drawn (a critic that
+    answers only 0 or 1 values every state certain)"""
     r_max: float = 1.0
     """normaliser of the critic reward -|V - G| / r_max (a parse failure counts as the largest error, 1)"""
+    critic_replay: int = 0
+    """phase 2: warm-up states re-scored per TD update against their Monte-Carlo returns (0: none, the source), so
+    the critic keeps seeing real outcomes while its TD targets are its own values"""
+    critic_replay_capacity: int = 512
+    """FIFO capacity of the warm-up states kept for --critic-replay"""
     critic_error: Literal["abs", "squared"] = "abs"
     """critic reward -|V - G| / r_max (the source; its best answer is G's median: 0 or 1 for 0/1 outcomes) or
     squared, -((V - G) / r_max)^2 (its best answer is G's mean: the state's value)"""
@@ -193,7 +201,7 @@ def validate_args(args: Args) -> None:
         args, ">= 1", "prefix_is_max_weight", "max_turn_tokens", "max_critic_tokens", "critic_step_chars",
         "ppo_epochs", "mini_batches",
     )  # fmt: skip
-    common.check_bounds(args, ">= 0", "warmup_updates", "td_updates")
+    common.check_bounds(args, ">= 0", "warmup_updates", "td_updates", "critic_replay")
     common.check_bounds(args, "> 0", "r_max", "clip_eps_high")
     common.check(
         (
@@ -204,6 +212,7 @@ def validate_args(args: Args) -> None:
             0 <= args.uncertain_band[0] < args.uncertain_band[1] <= 1,
             f"--uncertain-band needs 0 <= lo < hi <= 1, got {args.uncertain_band}",
         ),
+        (args.uncertain_floor >= 0, f"--uncertain-floor must be >= 0, got {args.uncertain_floor}"),
         (
             args.max_turns >= 1 and (args.eval_only or args.max_turns % args.macro_rounds == 0),
             f"--max-turns ({args.max_turns}) must be a positive multiple of --macro-rounds ({args.macro_rounds})",
@@ -350,26 +359,26 @@ def critic_prompt(
 class StateStore:
     """FIFO store of macro-boundary states, each with the critic's value V of it; the oldest fall out beyond
     `capacity`. selection "uniform" (the source): every state is kept and drawn uniformly. "uncertain": a state valued
-    outside `band` is not kept, and states are drawn with probability proportional to 1 - V^N - (1 - V)^N, the chance
-    that N branches from a state won with probability V do not all end alike (a group with a gradient)."""
+    outside `band` is not kept, and states are drawn with probability proportional to 1 - V^N - (1 - V)^N + `floor`:
+    the chance that N branches from a state won with probability V do not all end alike (a group with a gradient)."""
 
-    def __init__(self, capacity: int, selection: str = "uniform", band=(0.0, 1.0), group_size: int = 4):
+    def __init__(self, capacity: int, selection: str = "uniform", band=(0.0, 1.0), group_size: int = 4, floor=0.0):
         self.entries: deque[tuple[common.SavedState, float]] = deque(maxlen=capacity)
-        self.selection, self.band, self.group_size = selection, band, group_size
+        self.selection, self.band, self.group_size, self.floor = selection, band, group_size, floor
 
     def __len__(self) -> int:
         return len(self.entries)
 
     def add(self, state: common.SavedState, value: float) -> bool:
         """Keep the state (True) unless the rule leaves it out."""
-        if self.selection == "uncertain" and not self.band[0] < value < self.band[1]:
+        if self.selection == "uncertain" and not self.band[0] <= value <= self.band[1]:
             return False
         self.entries.append((state, value))
         return True
 
     def weight(self, value: float) -> float:
         n = self.group_size
-        return 1.0 if self.selection == "uniform" else 1.0 - value**n - (1.0 - value) ** n
+        return 1.0 if self.selection == "uniform" else 1.0 - value**n - (1.0 - value) ** n + self.floor
 
     def take(self, n: int, rng: random.Random) -> list[tuple[common.SavedState, float]]:
         """Up to n (state, value) pairs, drawn by the rule's weights without replacement; taken states leave the
@@ -411,20 +420,25 @@ def score_critic(prompts, replies, targets: Sequence[float], r_max: float, squar
 class Runtime(common.Runtime):
     def __init__(self, args: Args, accelerator):
         super().__init__(args, accelerator)
-        self.store = StateStore(args.state_store_capacity, args.state_selection, args.uncertain_band, args.group_size)
+        self.store = StateStore(
+            args.state_store_capacity, args.state_selection, args.uncertain_band, args.group_size, args.uncertain_floor
+        )
         self.rng = random.Random(args.seed + accelerator.process_index)  # state-store sampling (saved in checkpoints)
+        self.replay: deque[tuple[list[int], float]] = deque(maxlen=args.critic_replay_capacity)  # (prompt, MC return)
 
     def state_dict(self) -> dict:
         """What a checkpoint keeps of this process: the game cursor, the store and its sampling RNG."""
         return super().state_dict() | {
             "rng": list(self.rng.getstate()),
             "store": [[s.to_json(), value] for s, value in self.store.entries],
+            "replay": list(self.replay),
         }
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
         self.rng.setstate((state["rng"][0], tuple(state["rng"][1]), state["rng"][2]))
         self.store.entries.extend((common.SavedState.from_json(saved), value) for saved, value in state["store"])
+        self.replay.extend((prompt, target) for prompt, target in state.get("replay", []))
 
     def critic_prompt(self, game_file: str, task: str, messages, round_index: int) -> list[int] | None:
         """The critic prompt of a state; None when it leaves no room for a reply in --max-trajectory-tokens
@@ -529,6 +543,7 @@ def warmup_update(rt: Runtime) -> tuple[dict, list[dict]]:
             else:
                 states.append((traj, prompt, 1.0 if traj.won else 0.0))
     prompts, targets = [prompt for _, prompt, _ in states], [target for _, _, target in states]
+    rt.replay.extend(zip(prompts, targets))  # for --critic-replay in phase 2
 
     # ---- Phase 1, step 3: K critic samples per boundary state, reward -|V - G| / r_max centred within the K
     replies = sample_critic(rt, [(prompt, args.critic_samples) for prompt in prompts])
@@ -605,6 +620,13 @@ def td_update(rt: Runtime) -> tuple[dict, list[dict]]:
     start_values, critic_advantages, critic_datums = score_critic(
         critic.start_prompts, critic.start_replies, targets, args.r_max, args.critic_error == "squared"
     )
+    # (--critic-replay) and on warm-up states drawn from the replay, towards their Monte-Carlo returns
+    replayed = rt.rng.sample(list(rt.replay), min(args.critic_replay, len(rt.replay)))
+    replay_prompts, replay_targets = [prompt for prompt, _ in replayed], [target for _, target in replayed]
+    replay_replies = sample_critic(rt, [(prompt, args.critic_samples) for prompt in replay_prompts])
+    replay_values, replay_advantages, replay_datums = score_critic(
+        replay_prompts, replay_replies, replay_targets, args.r_max, args.critic_error == "squared"
+    )
 
     # ---- Phase 2, step 6: one update, actor datums (saved prefix + segment) and critic datums (prompt + reply)
     datums = []
@@ -614,7 +636,7 @@ def td_update(rt: Runtime) -> tuple[dict, list[dict]]:
             datums += common.trajectory_datums(group, [[a * scale] * len(t.steps) for t, a in zip(group, advantages)])
     t_critic = time.time()
     actor_tokens = sum(sum(d.mask) for d in datums)
-    datums += critic_datums
+    datums += critic_datums + replay_datums
     metrics = common.refresh_old_logprobs(rt, datums, always=args.ppo_epochs * args.mini_batches > 1)
     metrics |= ppo_update(rt, datums)
     t_update = time.time()
@@ -629,6 +651,11 @@ def td_update(rt: Runtime) -> tuple[dict, list[dict]]:
 
     metrics |= td_metrics(live_groups, critic, signals, weights, start_values, critic_advantages)
     metrics |= store_metrics(rt.store, args.max_turns // args.macro_rounds, args.macro_rounds)
+    if replayed:  # the critic on real outcomes, as phase 1 measured it (critic/value_corr)
+        replay = critic_metrics(replay_values, replay_targets, replay_advantages, "critic/value_corr")
+        metrics |= {"critic/replay_" + k.removeprefix("critic/"): v for k, v in replay.items()}
+        replay_tokens = sum(len(r.tokens) for group in replay_replies for r in group)
+        metrics["critic/generated_tokens"] = common.Count(critic.generated_tokens + replay_tokens)
     metrics |= {
         "actor/trained_tokens": common.Count(actor_tokens),
         "td/fresh_states": common.Count(fresh),

@@ -229,7 +229,7 @@ def test_state_store_is_fifo_and_take_removes(all_games, protocol):
 def test_uncertain_store_keeps_states_inside_the_band_and_draws_where_branches_disagree(all_games, protocol):
     state = common.game_start(all_games[0], protocol)
     store = tempo.StateStore(capacity=8, selection="uncertain", band=(0.05, 0.95), group_size=4)
-    assert [store.add(state, v) for v in (0.0, 0.05, 1.0, 0.5, 0.1, 0.95)] == [False, False, False, True, True, False]
+    assert [store.add(state, v) for v in (0.0, 0.04, 1.0, 0.5, 0.1, 0.96)] == [False, False, False, True, True, False]
     informative = {v: 1 - v**4 - (1 - v) ** 4 for v in (0.5, 0.1)}  # the chance that 4 branches do not all agree
 
     def first_draws(selection, n=3000):
@@ -244,6 +244,20 @@ def test_uncertain_store_keeps_states_inside_the_band_and_draws_where_branches_d
     assert first_draws("uncertain").count(0.5) / 3000 == pytest.approx(expected, abs=0.03)
     assert first_draws("uniform").count(0.5) / 3000 == pytest.approx(0.5, abs=0.03)
     assert {v for _, v in store.take(5, random.Random(0))} == {0.5, 0.1} and len(store) == 0
+
+
+def test_uncertain_floor_still_draws_the_states_a_binary_critic_calls_certain(all_games, protocol):
+    """With the default band every endpoint is kept; the floor gives a state valued 0 or 1 (no chance of a
+    disagreeing group) a small draw weight, so a critic that answers only 0 or 1 still leaves start states."""
+    state, rng = common.game_start(all_games[0], protocol), random.Random(0)
+    draws = []
+    for _ in range(3000):
+        store = tempo.StateStore(8, "uncertain", group_size=4, floor=0.05)
+        assert all(store.add(state, v) for v in (0.0, 1.0, 0.5))
+        draws.append(store.take(1, rng)[0][1])
+    weights = {0.0: 0.05, 1.0: 0.05, 0.5: 1 - 2 * 0.5**4 + 0.05}
+    for value, weight in weights.items():
+        assert draws.count(value) / 3000 == pytest.approx(weight / sum(weights.values()), abs=0.03)
 
 
 def test_trim_middle_keeps_both_ends_within_the_budget():
@@ -623,7 +637,7 @@ def test_warmup_values_every_boundary_state_against_its_trajectorys_outcome(runt
 def test_td_update_wiring_numbers(runtime, monkeypatch):
     """Each actor datum's advantage is R_n - G of its group; an endpoint's value is the mean of its parsed
     samples (0 when all fail); critic datums carry their centred rewards; the metrics are these numbers."""
-    rt = runtime(groups_per_update=3, group_size=3, critic_samples=4, endpoint_samples=2)
+    rt = runtime(groups_per_update=3, group_size=3, critic_samples=4, endpoint_samples=2, uncertain_band=(0.05, 0.95))
     rt.sample_fn, seen = scored_script(rt)
     budgets = dict(horizon=2, max_turns=4, max_turn_tokens=24, max_trajectory_tokens=4096)
     (segment,) = common.rollout([rt.next_game_start()], 1, rt.sample_fn, rt.protocol, **budgets)
@@ -649,11 +663,50 @@ def test_td_update_wiring_numbers(runtime, monkeypatch):
     ]  # a state whose samples all failed has no estimate
     corr = statistics.correlation([v for v, _ in estimates], [g for _, g in estimates])
     assert metrics["critic/td_target_corr"] == pytest.approx(corr) and "critic/value_corr" not in metrics
-    # --state-selection uncertain (the default) stores the endpoints valued inside the band, not the one valued 0
-    in_band = sum(0.05 < v < 0.95 for v in expected["endpoint_values"])
+    # --state-selection uncertain stores the endpoints valued inside --uncertain-band, not the one valued 0
+    in_band = sum(0.05 <= v <= 0.95 for v in expected["endpoint_values"])
     assert metrics["critic/prompt_too_long_rate"] == 0 and metrics["td/new_endpoints"] == len(rt.store) == in_band
     assert metrics["td/endpoints_left_out"] == len(expected["endpoint_values"]) - in_band > 0
     assert metrics["td/store_value_mean"] == pytest.approx(statistics.fmean(v for _, v in rt.store.entries))
+
+
+def test_critic_replay_rescores_warmup_states_against_their_returns(runtime, monkeypatch):
+    """--critic-replay: phase 1 keeps each boundary state's (critic prompt, 0/1 return); a TD update draws that many,
+    samples K critic replies on each and trains them with the centred -|V - return| beside its own critic datums;
+    a checkpoint keeps the replay."""
+    rt = runtime(
+        critic_replay=2, critic_samples=4, endpoint_samples=2, groups_per_update=1, group_size=2, warmup_groups_per_update=2
+    )
+    rt.sample_fn, seen = scored_script(rt, patterns=PARSED_PATTERNS)
+    metrics, _ = tempo.warmup_update(rt)
+    assert len(rt.replay) == metrics["warmup/boundary_states"] and {g for _, g in rt.replay} <= {0.0, 1.0}
+    assert all(tempo.CRITIC_SYSTEM_PROMPT in rt.tokenizer.decode(prompt) for prompt, _ in rt.replay)
+    restored = runtime(critic_replay=2)
+    restored.load_state_dict(json.loads(json.dumps(rt.state_dict())))
+    assert list(restored.replay) == list(rt.replay)
+
+    # two replay states with known returns, the TD start a stored mid-episode state (its prompt differs from both)
+    starts = [rt.next_game_start() for _ in range(2)]
+    replay = [(critic_text(rt, s, s.messages, 0)[0], g) for s, g in zip(starts, (1.0, 0.0))]
+    assert replay[0][0] != replay[1][0]
+    rt.replay.clear()
+    rt.replay.extend(replay)
+    budgets = dict(horizon=2, max_turns=4, max_turn_tokens=24, max_trajectory_tokens=4096)
+    (segment,) = common.rollout([rt.next_game_start()], 1, rt.sample_fn, rt.protocol, **budgets)
+    rt.store.add(segment[0].saved_state(), 0.5)
+    rollouts, updates = record_rollouts_and_updates(rt, monkeypatch)
+    metrics, _ = tempo.td_update(rt)
+    (groups,), (datums,) = rollouts, updates
+    check_td_wiring(rt, seen, groups, datums)  # the TD update's own datums are unchanged
+    errors = []
+    for prompt, target in replay:
+        values = pattern_values(seen, rt.tokenizer.decode(prompt), 4)
+        rewards = [-e for e in tempo.critic_errors(values, target)]
+        trained = [trained_advantages(d)[0] for d in datums if d.tokens[: len(prompt)] == prompt]
+        assert trained == pytest.approx([r - statistics.fmean(rewards) for r in rewards])
+        errors += [-r for r in rewards]
+    assert metrics["critic/replay_abs_error_mean"] == pytest.approx(statistics.fmean(errors))
+    assert metrics["critic/replay_value_target_mean"] == 0.5
 
 
 @pytest.mark.parametrize(
@@ -718,7 +771,7 @@ def test_critic_prompts_over_budget_are_skipped_counted_and_never_sent(runtime):
 @pytest.fixture(scope="module")
 def smoke_run(games_root, tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("runs")
-    args = small_args(games_root, tiny_model_dir, out, eval_every=10, state_selection="uniform")
+    args = small_args(games_root, tiny_model_dir, out, eval_every=10)
     run_dir = tempo.main(args)
     return args, run_dir
 

@@ -46,10 +46,8 @@ SHARED = dict(
     eval_games=1,
 )
 BUDGETS = {
-    # warm-up, then two TD updates: the second one starts from states the first one stored (uniform: the tiny random
-    # model's critic values every endpoint 0, which the default `uncertain` selection would not store)
+    # warm-up, then two TD updates: the second one starts from states the first one stored
     "tempo": dict(
-        state_selection="uniform",
         macro_rounds=2,
         max_turns=4,
         group_size=2,

@@ -28,16 +28,21 @@ ALGORITHMS = {
     "adca_oracle": ("adca_grpo.py", []),
     "gigpo": ("gigpo.py", []),
     "ppo": ("ppo.py", []),  # a linear value head on the policy's trunk, turn-level GAE
-    "tempo": ("tempo.py", []),  # --state-selection uncertain, the default
+    "tempo": ("tempo.py", []),  # --state-selection uncertain, the default: every endpoint stored, floor 0.05
+    # uncertain with a store filter: endpoints valued outside [0.05, 0.95] left out, no floor (until 2026-12-02's default)
+    "tempo_band": ("tempo.py", ["--uncertain-band", "0.05", "0.95", "--uncertain-floor", "0"]),
     # the source's store: every endpoint kept, start states drawn uniformly
     "tempo_uniform": ("tempo.py", ["--state-selection", "uniform"]),
     # the critic rewarded by the squared error (best answer: the mean of its targets, not their median)
     "tempo_squared": ("tempo.py", ["--critic-error", "squared"]),
+    "tempo_band_squared": ("tempo.py", ["--uncertain-band", "0.05", "0.95", "--uncertain-floor", "0", "--critic-error", "squared"]),
     # PPO clipping at lr 1e-4 against tempo.py's default IS loss at the shared lr (docs/does-it-learn.md); with one
     # optimizer step per update the clip never acts (the ratio is 1), so this is the IS loss at lr 1e-4
     "tempo_ppo": ("tempo.py", ["--learning-rate", "1e-4", "--clip-eps", "0.2", "--clip-eps-high", "0.28"]),
     # PPO clipping where it acts: 4 optimizer steps per update (mini-batches), at the shared lr
     "tempo_ppo4": ("tempo.py", ["--clip-eps", "0.2", "--clip-eps-high", "0.28", "--mini-batches", "4"]),
+    # the critic also re-scored on 8 warm-up states per TD update against their Monte-Carlo returns
+    "tempo_replay": ("tempo.py", ["--critic-replay", "8"]),
     # the source's store, half of each TD update's starts fresh games
     "tempo_fresh": ("tempo.py", ["--state-selection", "uniform", "--fresh-state-share", "0.5"]),
 }
