@@ -720,7 +720,13 @@ class PolicyLabeler:
             return []
         start = time.perf_counter()
         prompts = [
-            self.tokenizer.apply_chat_template(r.messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+            self.tokenizer.apply_chat_template(
+                r.messages,
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=False,
+                enable_thinking=self.args.enable_thinking,  # the actor's switch (a template without one ignores it)
+            )
             for r in requests
         ]
         completions = self.generate_greedy(prompts, self.args.labeler_max_new_tokens)

@@ -156,8 +156,9 @@ def critic_example(tokenizer, game_file: str, task: str, messages, round_index: 
 
     walkthrough = common.load_game(game_file).walkthrough
     prompt = tempo.critic_prompt(
-        tokenizer, task, walkthrough, messages, round_index, args.max_turns, args.critic_step_chars
-    )
+        tokenizer, task, walkthrough, messages, round_index, args.max_turns, args.critic_step_chars,
+        args.enable_thinking,
+    )  # fmt: skip
     reply = tokenizer.encode(f"<value>{target:.1f}</value>", add_special_tokens=False)
     reply.append(tokenizer.eos_token_id)
     return Example(prompt + reply, [0.0] * len(prompt) + [1.0] * len(reply))

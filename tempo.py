@@ -343,16 +343,19 @@ def critic_prompt(
     round_index: int,
     max_turns: int,
     step_chars: int,
+    enable_thinking: bool = True,
 ) -> list[int]:
     """Critic prompt tokens: task, steps left, the privileged walkthrough and the condensed history, rendered
-    as a plain chat (no tools)."""
+    as a plain chat (no tools), with the actor's thinking switch (a template without one ignores it)."""
     reference = "\n".join(f"{i + 1}. {action}" for i, action in enumerate(walkthrough)) or "(none)"
     user = (
         f"Task: {task}\nSteps taken: {round_index} of {max_turns} ({max_turns - round_index} left)\n\n"
         f"{PRIVILEGED_HEADER}\n{reference}\n\nHistory:\n" + "\n".join(condensed_history(messages, step_chars))
     )
     chat = [{"role": "system", "content": CRITIC_SYSTEM_PROMPT}, {"role": "user", "content": user}]
-    text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(
+        chat, tokenize=False, add_generation_prompt=True, enable_thinking=enable_thinking
+    )
     return tokenizer.encode(text, add_special_tokens=False)
 
 
@@ -445,8 +448,9 @@ class Runtime(common.Runtime):
         (never sent; the caller counts it)."""
         args, walkthrough = self.args, common.load_game(game_file).walkthrough
         prompt = critic_prompt(
-            self.tokenizer, task, walkthrough, messages, round_index, args.max_turns, args.critic_step_chars
-        )
+            self.tokenizer, task, walkthrough, messages, round_index, args.max_turns, args.critic_step_chars,
+            args.enable_thinking,
+        )  # fmt: skip
         return prompt if len(prompt) <= args.max_trajectory_tokens - args.max_critic_tokens else None
 
 

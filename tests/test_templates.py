@@ -12,8 +12,10 @@ from pathlib import Path
 import pytest
 from tokenizers import AddedToken
 
+import adca_grpo
 import common
 import gigpo
+import tempo
 
 TEMPLATES = Path(__file__).parent / "templates"
 TOOL = '<tool_call>\n{"name": "alfworld_step", "arguments": {"action": "%s"}}\n</tool_call>'
@@ -260,3 +262,24 @@ def test_sft_trains_on_what_the_model_is_shown_and_saves_the_template(games_root
     drops.write_text(DROPS_OLD_THINKING_TEMPLATE)
     with pytest.raises(ValueError, match="--chat-template"):
         sft.main(sft.Args(**{**vars(args), "chat_template": str(drops), "enable_thinking": True}))
+
+
+@pytest.mark.parametrize("enable_thinking", [True, False])
+def test_critic_and_self_labeller_prompts_follow_the_thinking_switch(tokenizer, enable_thinking):
+    """TEMPO's critic prompt and ADCA's self-labeller prompt are rendered with the actor's --enable-thinking: with
+    Qwen3's template off, the generation prompt holds the empty think block."""
+    qwen3 = with_template(tokenizer, "qwen3.jinja")
+    empty_think = "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    prompt = tempo.critic_prompt(qwen3, "put a cup in the sink", ["go to sink 1"], [], 0, 10, 100, enable_thinking)
+    critic = qwen3.decode(prompt)
+    seen = []
+
+    def greedy(prompts, max_new_tokens):
+        seen.extend(qwen3.decode(p) for p in prompts)
+        return [common.Completion([qwen3.eos_token_id], [0.0], "GOOD")]
+
+    args = adca_grpo.Args(model="tiny", enable_thinking=enable_thinking)
+    request = adca_grpo.LabelRequest("r", [{"role": "user", "content": "label these steps"}], 1)
+    adca_grpo.PolicyLabeler(greedy, qwen3, args)([request])
+    for text in (critic, seen[0]):
+        assert text.endswith(empty_think) != enable_thinking
