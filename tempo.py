@@ -109,7 +109,7 @@ class Args:
     from a state the critic values V disagree) among the endpoints valued inside --uncertain-band; uniform: the
     source's rule, every endpoint stored and drawn uniformly (at long horizon the store fills with dead ends)"""
     uncertain_band: tuple[float, float] = (0.0, 1.0)
-    """[lo, hi]: with --state-selection uncertain, endpoints valued outside it are not stored (default: none left out)"""
+    """[lo, hi]: with --state-selection uncertain, endpoints valued outside it are not stored (default: none)"""
     uncertain_floor: float = 0.05
     """added to every stored state's draw weight, so states the critic calls certain are still drawn (a critic that
     answers only 0 or 1 values every state certain)"""
@@ -430,7 +430,7 @@ class Runtime(common.Runtime):
         self.replay: deque[tuple[list[int], float]] = deque(maxlen=args.critic_replay_capacity)  # (prompt, MC return)
 
     def state_dict(self) -> dict:
-        """What a checkpoint keeps of this process: the game cursor, the store and its sampling RNG."""
+        """What a checkpoint keeps of this process: the game cursor, the store, its sampling RNG, the critic replay."""
         return super().state_dict() | {
             "rng": list(self.rng.getstate()),
             "store": [[s.to_json(), value] for s, value in self.store.entries],
@@ -441,7 +441,7 @@ class Runtime(common.Runtime):
         super().load_state_dict(state)
         self.rng.setstate((state["rng"][0], tuple(state["rng"][1]), state["rng"][2]))
         self.store.entries.extend((common.SavedState.from_json(saved), value) for saved, value in state["store"])
-        self.replay.extend((prompt, target) for prompt, target in state.get("replay", []))
+        self.replay.extend((prompt, target) for prompt, target in state.get("replay", []))  # none before 2026-12-02
 
     def critic_prompt(self, game_file: str, task: str, messages, round_index: int) -> list[int] | None:
         """The critic prompt of a state; None when it leaves no room for a reply in --max-trajectory-tokens
@@ -547,7 +547,8 @@ def warmup_update(rt: Runtime) -> tuple[dict, list[dict]]:
             else:
                 states.append((traj, prompt, 1.0 if traj.won else 0.0))
     prompts, targets = [prompt for _, prompt, _ in states], [target for _, _, target in states]
-    rt.replay.extend(zip(prompts, targets))  # for --critic-replay in phase 2
+    if args.critic_replay:  # kept for phase 2 (and in checkpoints) only when it is used
+        rt.replay.extend(zip(prompts, targets))
 
     # ---- Phase 1, step 3: K critic samples per boundary state, reward -|V - G| / r_max centred within the K
     replies = sample_critic(rt, [(prompt, args.critic_samples) for prompt in prompts])

@@ -674,9 +674,8 @@ def test_critic_replay_rescores_warmup_states_against_their_returns(runtime, mon
     """--critic-replay: phase 1 keeps each boundary state's (critic prompt, 0/1 return); a TD update draws that many,
     samples K critic replies on each and trains them with the centred -|V - return| beside its own critic datums;
     a checkpoint keeps the replay."""
-    rt = runtime(
-        critic_replay=2, critic_samples=4, endpoint_samples=2, groups_per_update=1, group_size=2, warmup_groups_per_update=2
-    )
+    sizes = dict(critic_samples=4, endpoint_samples=2, groups_per_update=1, group_size=2, warmup_groups_per_update=2)
+    rt = runtime(critic_replay=2, **sizes)
     rt.sample_fn, seen = scored_script(rt, patterns=PARSED_PATTERNS)
     metrics, _ = tempo.warmup_update(rt)
     assert len(rt.replay) == metrics["warmup/boundary_states"] and {g for _, g in rt.replay} <= {0.0, 1.0}

@@ -145,7 +145,6 @@ def test_the_training_seam_changes_nothing_for_a_loss_that_does_not_use_it(train
     loss_fn = importlib.import_module(script).policy_loss
     datums, _ = random_datums(trainer, seed=4)
     start = {k: v.clone() for k, v in trainer.model.state_dict().items()}
-    params = [p for p in trainer.model.parameters() if p.requires_grad]
 
     def step(heads: torch.nn.ModuleDict, extra: dict) -> tuple[dict, dict]:
         trainer.model.load_state_dict(start)

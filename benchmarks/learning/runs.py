@@ -29,13 +29,17 @@ ALGORITHMS = {
     "gigpo": ("gigpo.py", []),
     "ppo": ("ppo.py", []),  # a linear value head on the policy's trunk, turn-level GAE
     "tempo": ("tempo.py", []),  # --state-selection uncertain, the default: every endpoint stored, floor 0.05
-    # uncertain with a store filter: endpoints valued outside [0.05, 0.95] left out, no floor (until 2026-12-02's default)
+    # uncertain with a store filter: endpoints valued outside [0.05, 0.95] left out, no floor (the default until
+    # 2026-12-02)
     "tempo_band": ("tempo.py", ["--uncertain-band", "0.05", "0.95", "--uncertain-floor", "0"]),
     # the source's store: every endpoint kept, start states drawn uniformly
     "tempo_uniform": ("tempo.py", ["--state-selection", "uniform"]),
     # the critic rewarded by the squared error (best answer: the mean of its targets, not their median)
     "tempo_squared": ("tempo.py", ["--critic-error", "squared"]),
-    "tempo_band_squared": ("tempo.py", ["--uncertain-band", "0.05", "0.95", "--uncertain-floor", "0", "--critic-error", "squared"]),
+    "tempo_band_squared": (
+        "tempo.py",
+        ["--uncertain-band", "0.05", "0.95", "--uncertain-floor", "0", "--critic-error", "squared"],
+    ),
     # PPO clipping at lr 1e-4 against tempo.py's default IS loss at the shared lr (docs/does-it-learn.md); with one
     # optimizer step per update the clip never acts (the ratio is 1), so this is the IS loss at lr 1e-4
     "tempo_ppo": ("tempo.py", ["--learning-rate", "1e-4", "--clip-eps", "0.2", "--clip-eps-high", "0.28"]),

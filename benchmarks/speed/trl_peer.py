@@ -531,7 +531,7 @@ def print_table(results: dict) -> None:
     print(f"\nmedian (min-max) over {span}; load average {min(results['load_average_at_updates']):.1f}-"
           f"{max(results['load_average_at_updates']):.1f} on {results['cores']} cores; "
           + ", ".join(f"{k} {v}" for k, v in results["versions"].items()))  # fmt: skip
-    print(f"| | ours | TRL | TRL / ours |\n|---|---|---|---|")
+    print("| | ours | TRL | TRL / ours |\n|---|---|---|---|")
     for name, key in COLUMNS:
         ours, trl = (after_first(reports[side], key) for side in ("ours", "trl"))
         cells = [f"{statistics.median(v):.3g} ({min(v):.3g}-{max(v):.3g})" for v in (ours, trl)]
