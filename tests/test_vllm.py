@@ -13,16 +13,16 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-import algorithm_scripts
 import httpx
 import psutil
 import pytest
-from test_kv_cache import perturb_adapter
+from benchmarks.vllm_cpu import free_port
 
+import algorithm_scripts
 import common
 import offline
 import tempo
-from benchmarks.vllm_cpu import free_port
+from test_kv_cache import perturb_adapter
 
 ROOT = Path(__file__).resolve().parents[1]
 # Every algorithm script (tests/algorithm_scripts.py) trains through the server on its `learning` preset (the tiny
