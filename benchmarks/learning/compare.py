@@ -300,13 +300,15 @@ def value_head_summary(results: dict, args: Args) -> str:
 
 def mean_curve(runs: list[dict], with_critic: bool = False) -> list[tuple[float, float, float]]:
     """(mean generated tokens of the actor, and with_critic of TEMPO's critic too; mean success, std) per evaluation
-    point, over seeds (points aligned by index)."""
+    point that every seed has (points aligned by update: a seed may have been evaluated more often)."""
     curve = []
-    for i in range(min(len(r["points"]) for r in runs)):
-        values = [success(r["points"][i]) for r in runs]
+    for update in sorted({p.get("update") or 0 for p in runs[0]["points"]}):
+        points = [next((p for p in r["points"] if (p.get("update") or 0) == update), None) for r in runs]
+        if None in points:
+            continue
+        values = [success(p) for p in points]
         tokens = statistics.fmean(
-            r["points"][i]["tokens"] + (critic_tokens_until(r, r["points"][i].get("update", 0)) if with_critic else 0)
-            for r in runs
+            p["tokens"] + (critic_tokens_until(r, update) if with_critic else 0) for r, p in zip(runs, points)
         )
         curve.append((tokens, statistics.fmean(values), statistics.pstdev(values)))
     return curve
