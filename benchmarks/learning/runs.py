@@ -36,7 +36,7 @@ ALGORITHMS = {
     "tempo_uniform": ("tempo.py", ["--state-selection", "uniform"]),
     # the critic rewarded by the squared error (best answer: the mean of its targets, not their median)
     "tempo_squared": ("tempo.py", ["--critic-error", "squared"]),
-    "tempo_band_squared": (
+    "tempo_band_squared": (  # the two above together
         "tempo.py",
         ["--uncertain-band", "0.05", "0.95", "--uncertain-floor", "0", "--critic-error", "squared"],
     ),
