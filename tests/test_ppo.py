@@ -11,6 +11,7 @@ from safetensors.torch import load_file, save_file
 
 import common
 import ppo
+from test_training_job import SHARED
 
 
 # =============================================================================================
@@ -66,24 +67,14 @@ def test_explained_variance():
 # =============================================================================================
 def small_args(games_root, tiny_model_dir, tmp_path, **overrides) -> ppo.Args:
     settings = dict(
+        SHARED,  # the training-job tests' small budgets
         model=str(tiny_model_dir),
         data_root=str(games_root),
         output_dir=str(tmp_path / "runs"),
-        seed=0,
         num_updates=2,
         groups_per_update=2,
         group_size=2,
         max_turns=2,
-        max_turn_tokens=16,
-        max_trajectory_tokens=4096,
-        micro_batch_tokens=4096,
-        sample_batch_size=16,
-        lora_rank=4,
-        lora_alpha=8,
-        learning_rate=1e-2,
-        save_every=1,
-        eval_every=0,
-        eval_games=1,
     )
     return ppo.Args(**{**settings, **overrides})
 
