@@ -47,6 +47,8 @@ ALGORITHMS = {
     "tempo_ppo4": ("tempo.py", ["--clip-eps", "0.2", "--clip-eps-high", "0.28", "--mini-batches", "4"]),
     # the critic also re-scored on 8 warm-up states per TD update against their Monte-Carlo returns
     "tempo_replay": ("tempo.py", ["--critic-replay", "8"]),
+    # both critic levers: the squared error (the mean, not the median) on TD targets and on the replayed MC returns
+    "tempo_squared_replay": ("tempo.py", ["--critic-error", "squared", "--critic-replay", "8"]),
     # the source's store, half of each TD update's starts fresh games
     "tempo_fresh": ("tempo.py", ["--state-selection", "uniform", "--fresh-state-share", "0.5"]),
 }
