@@ -75,3 +75,9 @@ def test_summary_reports_midpoint_tokens_and_the_difference_from_grpo():
     assert tempo_row.startswith(f"| tempo | 2 | 0.12 | {(4 + 8) / 64:.2f} | 0.25 ± 0.09 |")
     assert f"| {difference:+.2f} [{difference - half:+.2f}, {difference + half:+.2f}] |" in tempo_row
     assert "| 900 | 1,140 |" in tempo_row  # actor tokens, then + 24 updates x 10 critic tokens
+    assert tempo_row.endswith("| not reached |")  # TEMPO's best mean, (6 + 10) / 64, is below GRPO's 0.38
+
+    for seed in (1, 2):  # GRPO ends below the start: no token count reaches "its level" (the start would, at 0)
+        runs[f"grpo-s{seed}"]["points"][-1]["sampled"] = [1, 0, 0, 0]
+    table = compare.summarise({"start": start, "runs": runs}, compare.Args(algorithms=("grpo", "tempo")))
+    assert all(row.endswith("| - (GRPO ended at or below the start) |") for row in table.splitlines()[2:4])

@@ -192,6 +192,8 @@ def summarise(results: dict, args: Args) -> str:
         if grpo:
             hit = next((t for t, s, _ in mean_curve(runs) if s >= grpo[1][0]), None)
             reach = f"{hit:,.0f} ({hit / grpo_tokens:.0%} of GRPO's)" if hit is not None else "not reached"
+            if grpo[1][0] <= s0:  # every run starts at GRPO's final level: nothing to reach
+                reach = "- (GRPO ended at or below the start)"
             if name != "grpo":
                 vs_grpo = interval(mean_end - grpo[1][0], variance + grpo[1][1])
         std = statistics.stdev(finals) if len(finals) > 1 else 0.0
