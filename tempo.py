@@ -123,6 +123,9 @@ class Args:
     critic_error: Literal["abs", "squared"] = "abs"
     """critic reward -|V - G| / r_max (the source; its best answer is G's median: 0 or 1 for 0/1 outcomes) or
     squared, -((V - G) / r_max)^2 (its best answer is G's mean: the state's value)"""
+    critic_coef: float = 1.0
+    """weight of the critic's datums in the update it shares with the actor (their advantages are scaled by it; the
+    same LoRA learns both): 1 = the source's equal weight, below 1 the critic's answers move less per update"""
     clip_eps: float | None = None
     """PPO clip range below 1 (and above, unless --clip-eps-high is set); None = the source's plain importance-sampling
     policy gradient (Tinker style). The clip acts only from an update's second optimizer step (--ppo-epochs,
@@ -213,6 +216,7 @@ def validate_args(args: Args) -> None:
             f"--uncertain-band needs 0 <= lo < hi <= 1, got {args.uncertain_band}",
         ),
         (args.uncertain_floor >= 0, f"--uncertain-floor must be >= 0, got {args.uncertain_floor}"),
+        (args.critic_coef > 0, f"--critic-coef must be > 0 (0 would never train the critic), got {args.critic_coef}"),
         (
             args.max_turns >= 1 and (args.eval_only or args.max_turns % args.macro_rounds == 0),
             f"--max-turns ({args.max_turns}) must be a positive multiple of --macro-rounds ({args.macro_rounds})",
@@ -400,14 +404,15 @@ def critic_datum(prompt: list[int], reply: common.Completion, advantage: float) 
     return common.Datum(prompt + reply.tokens, context + reply.logprobs, context + [advantage] * n, context + [1.0] * n)
 
 
-def score_critic(prompts, replies, targets: Sequence[float], r_max: float, squared: bool = False):
+def score_critic(prompts, replies, targets: Sequence[float], r_max: float, squared: bool = False, coef: float = 1.0):
     """The critic's replies to each state's prompt scored against the state's target G: per state the parsed values
-    and the centred rewards (critic_signals: the advantages), then all critic datums. A state without replies
-    (prompt over budget) or whose rewards are all equal teaches nothing and gives no datum."""
+    and the centred rewards (critic_signals: the advantages), then all critic datums, trained with the advantages
+    times `coef`. A state without replies (prompt over budget) or whose rewards are all equal teaches nothing and gives
+    no datum."""
     values = [[parse_value(r.text) for r in group] for group in replies]
     advantages = [critic_signals(v, g, r_max, squared)[1] if v else [] for v, g in zip(values, targets)]
     datums = [
-        critic_datum(prompt, reply, a)
+        critic_datum(prompt, reply, a * coef)
         for prompt, group, group_advantages in zip(prompts, replies, advantages)
         if group_advantages and not is_degenerate(group_advantages)
         for reply, a in zip(group, group_advantages)
@@ -552,7 +557,8 @@ def warmup_update(rt: Runtime) -> tuple[dict, list[dict]]:
 
     # ---- Phase 1, step 3: K critic samples per boundary state, reward -|V - G| / r_max centred within the K
     replies = sample_critic(rt, [(prompt, args.critic_samples) for prompt in prompts])
-    values, advantages, datums = score_critic(prompts, replies, targets, args.r_max, args.critic_error == "squared")
+    squared = args.critic_error == "squared"
+    values, advantages, datums = score_critic(prompts, replies, targets, args.r_max, squared, args.critic_coef)
     t_critic = time.time()
 
     # ---- Phase 1, step 4: update the critic only
@@ -622,15 +628,16 @@ def td_update(rt: Runtime) -> tuple[dict, list[dict]]:
 
     # ---- Phase 2, step 5: critic targets: K samples on each start state, reward -|V - G| towards G = mean(R)
     targets = [target for _, target, _ in signals]
+    squared = args.critic_error == "squared"
     start_values, critic_advantages, critic_datums = score_critic(
-        critic.start_prompts, critic.start_replies, targets, args.r_max, args.critic_error == "squared"
+        critic.start_prompts, critic.start_replies, targets, args.r_max, squared, args.critic_coef
     )
     # (--critic-replay) and on warm-up states drawn from the replay, towards their Monte-Carlo returns
     replayed = rt.rng.sample(list(rt.replay), min(args.critic_replay, len(rt.replay)))
     replay_prompts, replay_targets = [prompt for prompt, _ in replayed], [target for _, target in replayed]
     replay_replies = sample_critic(rt, [(prompt, args.critic_samples) for prompt in replay_prompts])
     replay_values, replay_advantages, replay_datums = score_critic(
-        replay_prompts, replay_replies, replay_targets, args.r_max, args.critic_error == "squared"
+        replay_prompts, replay_replies, replay_targets, args.r_max, squared, args.critic_coef
     )
 
     # ---- Phase 2, step 6: one update, actor datums (saved prefix + segment) and critic datums (prompt + reply)

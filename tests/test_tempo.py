@@ -199,6 +199,7 @@ def test_a_parse_failure_scores_exactly_like_the_worst_parsed_answer(r_max):
         (dict(clip_eps=0.2, clip_eps_high=0.0), "--clip-eps-high"),
         (dict(mini_batches=0), "--mini-batches"),
         (dict(fresh_state_share=1.5), "--fresh-state-share"),
+        (dict(critic_coef=0.0), "--critic-coef"),
         (dict(max_trajectory_tokens=512, max_turn_tokens=512), "--max-trajectory-tokens"),
         (dict(max_critic_tokens=24576), "--max-critic-tokens"),
         (dict(critic_step_chars=0), "--critic-step-chars"),
@@ -501,8 +502,8 @@ def trained_advantages(datum) -> list[float]:
 
 def check_td_wiring(rt, seen, groups, datums, weight=1.0) -> dict:
     """Recompute every number of one TD update from the rollout and the scripted critic, and check each datum:
-    actor = (R_n - G) * weight on the segment's tokens, critic = its centred -|V_k - G| / r_max. Returns the
-    expected metrics."""
+    actor = (R_n - G) * weight on the segment's tokens, critic = its centred -|V_k - G| / r_max times --critic-coef.
+    Returns the expected metrics."""
     by_tokens = {tuple(d.tokens): d for d in datums}
     E, K = rt.args.endpoint_samples, rt.args.critic_samples
     assert E == 2  # the scripted critic gives each endpoint both replies of its pattern
@@ -540,7 +541,7 @@ def check_td_wiring(rt, seen, groups, datums, weight=1.0) -> dict:
             assert not critic_datums
         else:
             assert [trained_advantages(d)[0] for d in critic_datums] == pytest.approx(
-                [r - statistics.fmean(rewards) for r in rewards]
+                [(r - statistics.fmean(rewards)) * rt.args.critic_coef for r in rewards]
             )
     return expected
 
@@ -634,10 +635,13 @@ def test_warmup_values_every_boundary_state_against_its_trajectorys_outcome(runt
     assert samples and samples[0]["critic_reply"]
 
 
-def test_td_update_wiring_numbers(runtime, monkeypatch):
+@pytest.mark.parametrize("critic_coef", [1.0, 0.25])
+def test_td_update_wiring_numbers(runtime, monkeypatch, critic_coef):
     """Each actor datum's advantage is R_n - G of its group; an endpoint's value is the mean of its parsed
-    samples (0 when all fail); critic datums carry their centred rewards; the metrics are these numbers."""
-    rt = runtime(groups_per_update=3, group_size=3, critic_samples=4, endpoint_samples=2, uncertain_band=(0.05, 0.95))
+    samples (0 when all fail); critic datums carry their centred rewards (times --critic-coef, the actor's
+    unscaled); the metrics are these numbers (the critic's: of the unscaled rewards)."""
+    sizes = dict(groups_per_update=3, group_size=3, critic_samples=4, endpoint_samples=2)
+    rt = runtime(uncertain_band=(0.05, 0.95), critic_coef=critic_coef, **sizes)
     rt.sample_fn, seen = scored_script(rt)
     budgets = dict(horizon=2, max_turns=4, max_turn_tokens=24, max_trajectory_tokens=4096)
     (segment,) = common.rollout([rt.next_game_start()], 1, rt.sample_fn, rt.protocol, **budgets)

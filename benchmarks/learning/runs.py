@@ -49,6 +49,9 @@ ALGORITHMS = {
     "tempo_replay": ("tempo.py", ["--critic-replay", "8"]),
     # both critic levers: the squared error (the mean, not the median) on TD targets and on the replayed MC returns
     "tempo_squared_replay": ("tempo.py", ["--critic-error", "squared", "--critic-replay", "8"]),
+    # the critic's datums at 0.3x the actor's weight in the shared update (at lr 3e-4 for both the critic held, the
+    # actor did not learn)
+    "tempo_slow_critic": ("tempo.py", ["--critic-coef", "0.3"]),
     # the source's store, half of each TD update's starts fresh games
     "tempo_fresh": ("tempo.py", ["--state-selection", "uniform", "--fresh-state-share", "0.5"]),
 }
