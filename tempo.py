@@ -124,8 +124,9 @@ class Args:
     """critic reward -|V - G| / r_max (the source; its best answer is G's median: 0 or 1 for 0/1 outcomes) or
     squared, -((V - G) / r_max)^2 (its best answer is G's mean: the state's value)"""
     critic_coef: float = 1.0
-    """weight of the critic's datums in the update it shares with the actor (their advantages are scaled by it; the
-    same LoRA learns both): 1 = the source's equal weight, below 1 the critic's answers move less per update"""
+    """weight of the critic's datums in the update it shares with the actor (their advantages are scaled by it; one
+    LoRA learns both): 1 = the source's equal weight; 0.3 did not stop the critic's answers collapsing at long
+    horizon (docs/does-it-learn.md)"""
     clip_eps: float | None = None
     """PPO clip range below 1 (and above, unless --clip-eps-high is set); None = the source's plain importance-sampling
     policy gradient (Tinker style). The clip acts only from an update's second optimizer step (--ppo-epochs,
