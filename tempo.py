@@ -498,6 +498,12 @@ def sample_critic(rt: Runtime, requests: Sequence[tuple[list[int] | None, int]])
     return [[next(replies) for _ in range(n)] if prompt is not None else [] for prompt, n in requests]
 
 
+def score_critic_by_flags(rt: Runtime, prompts, replies, targets: Sequence[float]):
+    """score_critic with the run's --r-max, --critic-error and --critic-coef."""
+    args = rt.args
+    return score_critic(prompts, replies, targets, args.r_max, args.critic_error == "squared", args.critic_coef)
+
+
 def critic_metrics(values_per_state, targets: Sequence[float], advantages_per_state, corr_key: str) -> dict:
     """The critic on a batch of states, one target G each (no samples: prompt over budget): the targets' mean and std,
     the share of sampled states whose centred rewards are all 0, the parse failure rate, mean |V - G| (a failure
@@ -558,8 +564,7 @@ def warmup_update(rt: Runtime) -> tuple[dict, list[dict]]:
 
     # ---- Phase 1, step 3: K critic samples per boundary state, reward -|V - G| / r_max centred within the K
     replies = sample_critic(rt, [(prompt, args.critic_samples) for prompt in prompts])
-    squared = args.critic_error == "squared"
-    values, advantages, datums = score_critic(prompts, replies, targets, args.r_max, squared, args.critic_coef)
+    values, advantages, datums = score_critic_by_flags(rt, prompts, replies, targets)
     t_critic = time.time()
 
     # ---- Phase 1, step 4: update the critic only
@@ -629,16 +634,15 @@ def td_update(rt: Runtime) -> tuple[dict, list[dict]]:
 
     # ---- Phase 2, step 5: critic targets: K samples on each start state, reward -|V - G| towards G = mean(R)
     targets = [target for _, target, _ in signals]
-    squared = args.critic_error == "squared"
-    start_values, critic_advantages, critic_datums = score_critic(
-        critic.start_prompts, critic.start_replies, targets, args.r_max, squared, args.critic_coef
+    start_values, critic_advantages, critic_datums = score_critic_by_flags(
+        rt, critic.start_prompts, critic.start_replies, targets
     )
     # (--critic-replay) and on warm-up states drawn from the replay, towards their Monte-Carlo returns
     replayed = rt.rng.sample(list(rt.replay), min(args.critic_replay, len(rt.replay)))
     replay_prompts, replay_targets = [prompt for prompt, _ in replayed], [target for _, target in replayed]
     replay_replies = sample_critic(rt, [(prompt, args.critic_samples) for prompt in replay_prompts])
-    replay_values, replay_advantages, replay_datums = score_critic(
-        replay_prompts, replay_replies, replay_targets, args.r_max, squared, args.critic_coef
+    replay_values, replay_advantages, replay_datums = score_critic_by_flags(
+        rt, replay_prompts, replay_replies, replay_targets
     )
 
     # ---- Phase 2, step 6: one update, actor datums (saved prefix + segment) and critic datums (prompt + reply)

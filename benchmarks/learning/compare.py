@@ -190,10 +190,11 @@ def summarise(results: dict, args: Args) -> str:
         critic_tokens = statistics.fmean(critic_tokens_until(r, r["points"][-1].get("update", 0)) for r in runs)
         reach = vs_grpo = "-"
         if grpo:
-            hit = next((t for t, s, _ in mean_curve(runs) if s >= grpo[1][0]), None)
-            reach = f"{hit:,.0f} ({hit / grpo_tokens:.0%} of GRPO's)" if hit is not None else "not reached"
             if grpo[1][0] <= s0:  # every run starts at GRPO's final level: nothing to reach
                 reach = "- (GRPO ended at or below the start)"
+            else:
+                hit = next((t for t, s, _ in mean_curve(runs) if s >= grpo[1][0]), None)
+                reach = f"{hit:,.0f} ({hit / grpo_tokens:.0%} of GRPO's)" if hit is not None else "not reached"
             if name != "grpo":
                 vs_grpo = interval(mean_end - grpo[1][0], variance + grpo[1][1])
         std = statistics.stdev(finals) if len(finals) > 1 else 0.0
