@@ -88,7 +88,7 @@ class Args:
     group_size: int = 4
     """N: branches rolled out from every start state (one group)"""
     critic_samples: int = 4
-    """K: critic samples on every start state (their rewards are centred within the K)"""
+    """K: critic samples on every start state (their rewards are centred within the K, by default)"""
     endpoint_samples: int = 2
     """critic samples averaged into the value of one branch endpoint"""
     groups_per_update: int = 4
@@ -127,6 +127,10 @@ class Args:
     """weight of the critic's datums in the update it shares with the actor (their advantages are scaled by it; one
     LoRA learns both): 1 = the source's equal weight; 0.3 did not stop the critic's answers collapsing at long
     horizon (docs/does-it-learn.md)"""
+    critic_baseline: Literal["state", "batch"] = "state"
+    """what the critic's rewards are centred on: the mean of the K answers on the same state (the source; a state
+    whose K answers agree teaches nothing, so a critic that answers "0" everywhere stays there) or the mean over all
+    answers scored together (an update's start states), so answers that agree but miss their target still move"""
     clip_eps: float | None = None
     """PPO clip range below 1 (and above, unless --clip-eps-high is set); None = the source's plain importance-sampling
     policy gradient (Tinker style). The clip acts only from an update's second optimizer step (--ppo-epochs,
@@ -224,8 +228,9 @@ def validate_args(args: Args) -> None:
         ),
         (args.group_size >= 2, f"--group-size must be >= 2 (advantages compare branches), got {args.group_size}"),
         (
-            args.critic_samples >= 2,
-            f"--critic-samples must be >= 2 (rewards are centred within them), got {args.critic_samples}",
+            args.critic_samples >= 2 or args.critic_baseline == "batch",
+            f"--critic-samples must be >= 2 (rewards are centred within them; or --critic-baseline batch), got "
+            f"{args.critic_samples}",
         ),
         (args.warmup_updates + args.td_updates >= 1, "--warmup-updates + --td-updates must be >= 1"),
         (
@@ -405,20 +410,25 @@ def critic_datum(prompt: list[int], reply: common.Completion, advantage: float) 
     return common.Datum(prompt + reply.tokens, context + reply.logprobs, context + [advantage] * n, context + [1.0] * n)
 
 
-def score_critic(prompts, replies, targets: Sequence[float], r_max: float, squared: bool = False, coef: float = 1.0):
-    """The critic's replies to each state's prompt scored against the state's target G: per state the parsed values
-    and the centred rewards (critic_signals: the advantages), then all critic datums, trained with the advantages
-    times `coef`. A state without replies (prompt over budget) or whose rewards are all equal teaches nothing and gives
-    no datum."""
+def score_critic(prompts, replies, targets: Sequence[float], r_max: float, squared=False, coef=1.0, baseline="state"):
+    """The critic's replies to each state's prompt scored against the state's target G: per state the parsed values,
+    then all critic datums, trained with the rewards (critic_signals) centred by `baseline` ("state": within each
+    state's K replies; "batch": over every reply scored here) times `coef`. A state without replies (prompt over
+    budget) or whose centred rewards are all 0 teaches nothing and gives no datum."""
     values = [[parse_value(r.text) for r in group] for group in replies]
-    advantages = [critic_signals(v, g, r_max, squared)[1] if v else [] for v, g in zip(values, targets)]
+    scored = [critic_signals(v, g, r_max, squared) if v else ([], []) for v, g in zip(values, targets)]
+    advantages = [centred for _, centred in scored]
+    if baseline == "batch":
+        rewards = [r for group_rewards, _ in scored for r in group_rewards]
+        mean = statistics.fmean(rewards) if rewards else 0.0
+        advantages = [[r - mean for r in group_rewards] for group_rewards, _ in scored]
     datums = [
         critic_datum(prompt, reply, a * coef)
         for prompt, group, group_advantages in zip(prompts, replies, advantages)
         if group_advantages and not is_degenerate(group_advantages)
         for reply, a in zip(group, group_advantages)
     ]
-    return values, advantages, datums
+    return values, datums
 
 
 # =============================================================================================
@@ -499,20 +509,22 @@ def sample_critic(rt: Runtime, requests: Sequence[tuple[list[int] | None, int]])
 
 
 def score_critic_by_flags(rt: Runtime, prompts, replies, targets: Sequence[float]):
-    """score_critic with the run's --r-max, --critic-error and --critic-coef."""
+    """score_critic with the run's --r-max, --critic-error, --critic-coef and --critic-baseline."""
     args = rt.args
-    return score_critic(prompts, replies, targets, args.r_max, args.critic_error == "squared", args.critic_coef)
+    squared = args.critic_error == "squared"
+    return score_critic(prompts, replies, targets, args.r_max, squared, args.critic_coef, args.critic_baseline)
 
 
-def critic_metrics(values_per_state, targets: Sequence[float], advantages_per_state, corr_key: str) -> dict:
+def critic_metrics(values_per_state, targets: Sequence[float], corr_key: str) -> dict:
     """The critic on a batch of states, one target G each (no samples: prompt over budget): the targets' mean and std,
-    the share of sampled states whose centred rewards are all 0, the parse failure rate, mean |V - G| (a failure
-    counts as 1) and over parsed samples only, and under `corr_key` corr(each state's mean parsed estimate, G)."""
-    sampled = [advantages for advantages in advantages_per_state if advantages]
+    the share of sampled states whose K replies all miss G by the same error, the parse failure rate, mean |V - G| (a
+    failure counts as 1) and over parsed samples only, and under `corr_key` corr(each state's mean parsed estimate,
+    G)."""
+    sampled = [critic_errors(values, g) for values, g in zip(values_per_state, targets) if values]
     metrics = {
         "critic/value_target_mean": statistics.fmean(targets) if targets else 0.0,
         "critic/value_target_std": statistics.pstdev(targets) if targets else 0.0,
-        "critic/degenerate_group_rate": sum(map(is_degenerate, sampled)) / max(1, len(sampled)),
+        "critic/degenerate_group_rate": sum(max(e) - min(e) < 1e-9 for e in sampled) / max(1, len(sampled)),
     }
     errors = [e for values, g in zip(values_per_state, targets) for e in critic_errors(values, g)]
     if not errors:
@@ -563,14 +575,15 @@ def warmup_update(rt: Runtime) -> tuple[dict, list[dict]]:
         rt.replay.extend(zip(prompts, targets))
 
     # ---- Phase 1, step 3: K critic samples per boundary state, reward -|V - G| / r_max centred within the K
+    # (--critic-baseline batch: over all the update's states)
     replies = sample_critic(rt, [(prompt, args.critic_samples) for prompt in prompts])
-    values, advantages, datums = score_critic_by_flags(rt, prompts, replies, targets)
+    values, datums = score_critic_by_flags(rt, prompts, replies, targets)
     t_critic = time.time()
 
     # ---- Phase 1, step 4: update the critic only
     metrics = common.refresh_old_logprobs(rt, datums, always=args.ppo_epochs * args.mini_batches > 1)
     metrics |= ppo_update(rt, datums) | common.rollout_metrics(trajectories)
-    metrics |= critic_metrics(values, targets, advantages, "critic/value_corr") | {
+    metrics |= critic_metrics(values, targets, "critic/value_corr") | {
         "warmup/success_rate": sum(t.won for t in trajectories) / max(1, len(trajectories)),
         "warmup/boundary_states": common.Count(len(states) + too_long),
         "critic/generated_tokens": common.Count(sum(len(r.tokens) for group in replies for r in group)),
@@ -634,16 +647,12 @@ def td_update(rt: Runtime) -> tuple[dict, list[dict]]:
 
     # ---- Phase 2, step 5: critic targets: K samples on each start state, reward -|V - G| towards G = mean(R)
     targets = [target for _, target, _ in signals]
-    start_values, critic_advantages, critic_datums = score_critic_by_flags(
-        rt, critic.start_prompts, critic.start_replies, targets
-    )
+    start_values, critic_datums = score_critic_by_flags(rt, critic.start_prompts, critic.start_replies, targets)
     # (--critic-replay) and on warm-up states drawn from the replay, towards their Monte-Carlo returns
     replayed = rt.rng.sample(list(rt.replay), min(args.critic_replay, len(rt.replay)))
     replay_prompts, replay_targets = [prompt for prompt, _ in replayed], [target for _, target in replayed]
     replay_replies = sample_critic(rt, [(prompt, args.critic_samples) for prompt in replay_prompts])
-    replay_values, replay_advantages, replay_datums = score_critic_by_flags(
-        rt, replay_prompts, replay_replies, replay_targets
-    )
+    replay_values, replay_datums = score_critic_by_flags(rt, replay_prompts, replay_replies, replay_targets)
 
     # ---- Phase 2, step 6: one update, actor datums (saved prefix + segment) and critic datums (prompt + reply)
     datums = []
@@ -666,10 +675,10 @@ def td_update(rt: Runtime) -> tuple[dict, list[dict]]:
     ]  # fmt: skip
     stored = sum(rt.store.add(traj.saved_state(), value) for traj, value in candidates)
 
-    metrics |= td_metrics(live_groups, critic, signals, weights, start_values, critic_advantages)
+    metrics |= td_metrics(live_groups, critic, signals, weights, start_values)
     metrics |= store_metrics(rt.store, args.max_turns // args.macro_rounds, args.macro_rounds)
     if replayed:  # the critic on real outcomes, as phase 1 measured it (critic/value_corr)
-        replay = critic_metrics(replay_values, replay_targets, replay_advantages, "critic/value_corr")
+        replay = critic_metrics(replay_values, replay_targets, "critic/value_corr")
         metrics |= {"critic/replay_" + k.removeprefix("critic/"): v for k, v in replay.items()}
         replay_tokens = sum(len(r.tokens) for group in replay_replies for r in group)
         metrics["critic/generated_tokens"] = common.Count(critic.generated_tokens + replay_tokens)
@@ -729,7 +738,7 @@ def critic_pass(rt: Runtime, starts: Sequence[common.SavedState], groups) -> Cri
     )
 
 
-def td_metrics(groups, critic: CriticPass, signals, weights, start_values, critic_advantages) -> dict:
+def td_metrics(groups, critic: CriticPass, signals, weights, start_values) -> dict:
     trajectories = [traj for group in groups for traj in group]
     targets = [target for _, target, _ in signals]
     zero_reward_gaps = []
@@ -739,7 +748,7 @@ def td_metrics(groups, critic: CriticPass, signals, weights, start_values, criti
     metrics = common.rollout_metrics(trajectories)
     if "rollout/success_rate" in metrics:  # a segment's success, not an episode's (that is eval/train/success_rate)
         metrics["td/segment_success_rate"] = metrics.pop("rollout/success_rate")
-    metrics |= critic_metrics(start_values, targets, critic_advantages, "critic/td_target_corr")
+    metrics |= critic_metrics(start_values, targets, "critic/td_target_corr")
     parsed_weights = [w for w in weights if w is not None]
     if parsed_weights:
         metrics["td/prefix_is_weight_mean"] = statistics.fmean(parsed_weights)

@@ -182,6 +182,30 @@ def test_a_parse_failure_scores_exactly_like_the_worst_parsed_answer(r_max):
     assert tempo.is_degenerate(advantages)
 
 
+def test_a_batch_baseline_trains_a_state_whose_answers_agree_but_miss():
+    """The collapse the source's baseline cannot leave: a state whose K answers are all "0" while its target is 0.5
+    gets no datum when rewards are centred within the K, and datums pushing "0" down when they are centred over the
+    batch (the other state, answered right, pulls its answers up); the metric still counts the agreeing state."""
+
+    def replies(*answers):
+        return [common.Completion([7], [-0.5], f"<value>{a}</value>") for a in answers]
+
+    prompts, targets = [[1, 2], [3, 4]], [0.5, 0.0]
+    answers = [replies(0, 0, 0), replies(0, 0, 0.2)]
+    values, datums = tempo.score_critic(prompts, answers, targets, 1.0)
+    assert values == [[0.0, 0.0, 0.0], [0.0, 0.0, 0.2]]
+    assert [d.tokens[:2] for d in datums] == [[3, 4]] * 3  # the agreeing state teaches nothing
+    values, datums = tempo.score_critic(prompts, answers, targets, 1.0, coef=0.5, baseline="batch")
+    mean = statistics.fmean([-0.5, -0.5, -0.5, 0.0, 0.0, -0.2])
+    assert [d.tokens[:2] for d in datums] == [[1, 2]] * 3 + [[3, 4]] * 3
+    assert [trained_advantages(d)[0] for d in datums] == pytest.approx(
+        [0.5 * (r - mean) for r in [-0.5, -0.5, -0.5, 0.0, 0.0, -0.2]]
+    )
+    assert all(trained_advantages(d)[0] < 0 for d in datums[:3])
+    metrics = tempo.critic_metrics(values, targets, "critic/value_corr")
+    assert metrics["critic/degenerate_group_rate"] == 0.5
+
+
 # --------------------------------------------------------------------------------------------
 # Flags, store, prompts
 # --------------------------------------------------------------------------------------------
@@ -191,7 +215,7 @@ def test_a_parse_failure_scores_exactly_like_the_worst_parsed_answer(r_max):
         (dict(max_turns=45), "--max-turns"),
         (dict(macro_rounds=0), "--macro-rounds"),
         (dict(group_size=1), "--group-size"),
-        (dict(critic_samples=1), "--critic-samples"),
+        (dict(critic_samples=1), "--critic-samples"),  # allowed with --critic-baseline batch
         (dict(endpoint_samples=0), "--endpoint-samples"),
         (dict(state_store_capacity=2, groups_per_update=4), "--state-store-capacity"),
         (dict(r_max=0.0), "--r-max"),
@@ -502,12 +526,14 @@ def trained_advantages(datum) -> list[float]:
 
 def check_td_wiring(rt, seen, groups, datums, weight=1.0) -> dict:
     """Recompute every number of one TD update from the rollout and the scripted critic, and check each datum:
-    actor = (R_n - G) * weight on the segment's tokens, critic = its centred -|V_k - G| / r_max times --critic-coef.
+    actor = (R_n - G) * weight on the segment's tokens, critic = -|V_k - G| / r_max centred by --critic-baseline, times
+    --critic-coef.
     Returns the expected metrics."""
     by_tokens = {tuple(d.tokens): d for d in datums}
     E, K = rt.args.endpoint_samples, rt.args.critic_samples
     assert E == 2  # the scripted critic gives each endpoint both replies of its pattern
     expected = {"endpoint_values": [], "endpoint_failures": 0, "gaps": [], "critic": [], "actor_datums": 0}
+    critic_states = []  # (the datums trained on a start state's critic prompt, its K rewards)
     for group in (g for g in groups if g):
         start = group[0].start
         values = []
@@ -536,12 +562,15 @@ def check_td_wiring(rt, seen, groups, datums, weight=1.0) -> dict:
         start_values = pattern_values(seen, start_text, K)
         expected["critic"].append((start_values, target))
         rewards = [-e / rt.args.r_max for e in tempo.critic_errors(start_values, target)]
-        critic_datums = [d for d in datums if d.tokens[: len(start_tokens)] == start_tokens]
-        if tempo.is_degenerate([r - statistics.fmean(rewards) for r in rewards]):
+        critic_states.append(([d for d in datums if d.tokens[: len(start_tokens)] == start_tokens], rewards))
+    batch_mean = statistics.fmean(r for _, rewards in critic_states for r in rewards)
+    for critic_datums, rewards in critic_states:
+        baseline = batch_mean if rt.args.critic_baseline == "batch" else statistics.fmean(rewards)
+        if tempo.is_degenerate([r - baseline for r in rewards]):
             assert not critic_datums
         else:
             assert [trained_advantages(d)[0] for d in critic_datums] == pytest.approx(
-                [(r - statistics.fmean(rewards)) * rt.args.critic_coef for r in rewards]
+                [(r - baseline) * rt.args.critic_coef for r in rewards]
             )
     return expected
 
@@ -635,13 +664,14 @@ def test_warmup_values_every_boundary_state_against_its_trajectorys_outcome(runt
     assert samples and samples[0]["critic_reply"]
 
 
-@pytest.mark.parametrize("critic_coef", [1.0, 0.25])
-def test_td_update_wiring_numbers(runtime, monkeypatch, critic_coef):
+@pytest.mark.parametrize("critic_coef, critic_baseline", [(1.0, "state"), (0.25, "state"), (1.0, "batch")])
+def test_td_update_wiring_numbers(runtime, monkeypatch, critic_coef, critic_baseline):
     """Each actor datum's advantage is R_n - G of its group; an endpoint's value is the mean of its parsed
-    samples (0 when all fail); critic datums carry their centred rewards (times --critic-coef, the actor's
-    unscaled); the metrics are these numbers (the critic's: of the unscaled rewards)."""
+    samples (0 when all fail); critic datums carry their rewards centred within the state's K or over the update's
+    states (times --critic-coef, the actor's unscaled); the metrics are these numbers (the critic's: of the unscaled
+    rewards)."""
     sizes = dict(groups_per_update=3, group_size=3, critic_samples=4, endpoint_samples=2)
-    rt = runtime(uncertain_band=(0.05, 0.95), critic_coef=critic_coef, **sizes)
+    rt = runtime(uncertain_band=(0.05, 0.95), critic_coef=critic_coef, critic_baseline=critic_baseline, **sizes)
     rt.sample_fn, seen = scored_script(rt)
     budgets = dict(horizon=2, max_turns=4, max_turn_tokens=24, max_trajectory_tokens=4096)
     (segment,) = common.rollout([rt.next_game_start()], 1, rt.sample_fn, rt.protocol, **budgets)

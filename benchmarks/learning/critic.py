@@ -384,11 +384,11 @@ def warm_up(rt, pool: Pool, warmup: Warmup, episodes_per_update: int, seed: int)
         index = [i for i, e in enumerate(pool.episode) if e in batch]
         prompts, batch_targets = [pool.prompts[i] for i in index], [targets[i] for i in index]
         replies = tempo.sample_critic(rt, [(p, warmup.critic_samples) for p in prompts])
-        values, advantages, datums = tempo.score_critic(
+        values, datums = tempo.score_critic(
             prompts, replies, batch_targets, rt.args.r_max, warmup.critic_error == "squared"
         )
         metrics = common.refresh_old_logprobs(rt, datums) | tempo.ppo_update(rt, datums)  # one optimizer step
-        metrics |= tempo.critic_metrics(values, batch_targets, advantages, "critic/value_corr")
+        metrics |= tempo.critic_metrics(values, batch_targets, "critic/value_corr")
         metrics["head/mse"] = head.step(last_hidden_states(rt, prompts), batch_targets)
         rows.append({"update": update, "states": len(index), "datums": len(datums), **metrics})
         log(

@@ -52,6 +52,13 @@ ALGORITHMS = {
     # the critic's datums at 0.3x the actor's weight in the shared update (at lr 3e-4 for both the critic held, the
     # actor did not learn)
     "tempo_slow_critic": ("tempo.py", ["--critic-coef", "0.3"]),
+    # the critic's rewards centred over the update's states, not within each state's K answers (a state whose
+    # answers agree still teaches), with the default store and with the band rule
+    "tempo_batch_critic": ("tempo.py", ["--critic-baseline", "batch"]),
+    "tempo_band_batch_critic": (
+        "tempo.py",
+        ["--uncertain-band", "0.05", "0.95", "--uncertain-floor", "0", "--critic-baseline", "batch"],
+    ),
     # the source's store, half of each TD update's starts fresh games
     "tempo_fresh": ("tempo.py", ["--state-selection", "uniform", "--fresh-state-share", "0.5"]),
 }
