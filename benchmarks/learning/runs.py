@@ -59,6 +59,9 @@ ALGORITHMS = {
         "tempo.py",
         ["--uncertain-band", "0.05", "0.95", "--uncertain-floor", "0", "--critic-baseline", "batch"],
     ),
+    # the band's lower edge only: endpoints the critic calls hopeless (< 0.05) left out, the floor kept, so sure
+    # states (a 0/1 critic's 1s) are still drawn
+    "tempo_lower_band": ("tempo.py", ["--uncertain-band", "0.05", "1.0"]),
     # the source's store, half of each TD update's starts fresh games
     "tempo_fresh": ("tempo.py", ["--state-selection", "uniform", "--fresh-state-share", "0.5"]),
 }
