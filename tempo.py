@@ -108,8 +108,9 @@ class Args:
     """uncertain: draw start states with probability 1 - V^N - (1 - V)^N + --uncertain-floor (the chance that N branches
     from a state the critic values V disagree) among the endpoints valued inside --uncertain-band; uniform: the
     source's rule, every endpoint stored and drawn uniformly (at long horizon the store fills with dead ends)"""
-    uncertain_band: tuple[float, float] = (0.0, 1.0)
-    """[lo, hi]: with --state-selection uncertain, endpoints valued outside it are not stored (default: none)"""
+    uncertain_band: tuple[float, float] = (0.05, 1.0)
+    """[lo, hi]: with --state-selection uncertain, endpoints valued outside it are not stored (default: those the
+    critic calls hopeless, so the store does not fill with dead ends; 0 1 keeps every endpoint)"""
     uncertain_floor: float = 0.05
     """added to every stored state's draw weight, so states the critic calls certain are still drawn (a critic that
     answers only 0 or 1 values every state certain)"""
@@ -130,7 +131,8 @@ class Args:
     critic_baseline: Literal["state", "batch"] = "state"
     """what the critic's rewards are centred on: the mean of the K answers on the same state (the source; a state
     whose K answers agree teaches nothing, so a critic that answers "0" everywhere stays there) or the mean over all
-    answers scored together (an update's start states), so answers that agree but miss their target still move"""
+    answers scored together (an update's start states), so answers that agree but miss their target still move; batch
+    did not stop the critic's drift to "0" at long horizon (docs/does-it-learn.md)"""
     clip_eps: float | None = None
     """PPO clip range below 1 (and above, unless --clip-eps-high is set); None = the source's plain importance-sampling
     policy gradient (Tinker style). The clip acts only from an update's second optimizer step (--ppo-epochs,

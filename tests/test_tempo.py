@@ -804,7 +804,8 @@ def test_critic_prompts_over_budget_are_skipped_counted_and_never_sent(runtime):
 @pytest.fixture(scope="module")
 def smoke_run(games_root, tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("runs")
-    args = small_args(games_root, tiny_model_dir, out, eval_every=10)
+    # every endpoint stored: the untrained model's critic values them all 0, which the default band leaves out
+    args = small_args(games_root, tiny_model_dir, out, eval_every=10, uncertain_band=(0.0, 1.0))
     run_dir = tempo.main(args)
     return args, run_dir
 

@@ -28,9 +28,12 @@ ALGORITHMS = {
     "adca_oracle": ("adca_grpo.py", []),
     "gigpo": ("gigpo.py", []),
     "ppo": ("ppo.py", []),  # a linear value head on the policy's trunk, turn-level GAE
-    "tempo": ("tempo.py", []),  # --state-selection uncertain, the default: every endpoint stored, floor 0.05
-    # uncertain with a store filter: endpoints valued outside [0.05, 0.95] left out, no floor (the default until
-    # 2026-12-02)
+    # --state-selection uncertain, the default: endpoints valued below 0.05 left out, draws weighted with floor 0.05
+    "tempo": ("tempo.py", []),
+    # the default until 2026-12-02: every endpoint stored (the rows named `tempo` measured before then are this rule)
+    "tempo_floor": ("tempo.py", ["--uncertain-band", "0", "1"]),
+    # uncertain with a store filter: endpoints valued outside [0.05, 0.95] left out, no floor (the rule's first
+    # default; it starves a critic that answers only 0 or 1)
     "tempo_band": ("tempo.py", ["--uncertain-band", "0.05", "0.95", "--uncertain-floor", "0"]),
     # the source's store: every endpoint kept, start states drawn uniformly
     "tempo_uniform": ("tempo.py", ["--state-selection", "uniform"]),
@@ -60,7 +63,7 @@ ALGORITHMS = {
         ["--uncertain-band", "0.05", "0.95", "--uncertain-floor", "0", "--critic-baseline", "batch"],
     ),
     # the band's lower edge only: endpoints the critic calls hopeless (< 0.05) left out, the floor kept, so sure
-    # states (a 0/1 critic's 1s) are still drawn
+    # states (a 0/1 critic's 1s) are still drawn; the default since 2026-12-02 (measured under this name)
     "tempo_lower_band": ("tempo.py", ["--uncertain-band", "0.05", "1.0"]),
     # the source's store, half of each TD update's starts fresh games
     "tempo_fresh": ("tempo.py", ["--state-selection", "uniform", "--fresh-state-share", "0.5"]),
