@@ -271,16 +271,19 @@ def test_uncertain_store_keeps_states_inside_the_band_and_draws_where_branches_d
     assert {v for _, v in store.take(5, random.Random(0))} == {0.5, 0.1} and len(store) == 0
 
 
-def test_uncertain_floor_still_draws_the_states_a_binary_critic_calls_certain(all_games, protocol):
-    """With the default band every endpoint is kept; the floor gives a state valued 0 or 1 (no chance of a
-    disagreeing group) a small draw weight, so a critic that answers only 0 or 1 still leaves start states."""
-    state, rng = common.game_start(all_games[0], protocol), random.Random(0)
+def test_the_default_store_leaves_out_hopeless_endpoints_and_still_draws_sure_ones(all_games, protocol):
+    """The default rule (--uncertain-band 0.05 1, floor 0.05): an endpoint the critic values 0 is not stored; one
+    valued 1 (no chance of a disagreeing group) is, with the floor as its draw weight, so a critic that answers only
+    0 or 1 still leaves start states."""
+    defaults, state, rng = tempo.Args(), common.game_start(all_games[0], protocol), random.Random(0)
     draws = []
     for _ in range(3000):
-        store = tempo.StateStore(8, "uncertain", group_size=4, floor=0.05)
-        assert all(store.add(state, v) for v in (0.0, 1.0, 0.5))
+        store = tempo.StateStore(
+            8, defaults.state_selection, defaults.uncertain_band, defaults.group_size, defaults.uncertain_floor
+        )
+        assert not store.add(state, 0.0) and store.add(state, 1.0) and store.add(state, 0.5)
         draws.append(store.take(1, rng)[0][1])
-    weights = {0.0: 0.05, 1.0: 0.05, 0.5: 1 - 2 * 0.5**4 + 0.05}
+    weights = {1.0: 0.05, 0.5: 1 - 2 * 0.5**4 + 0.05}
     for value, weight in weights.items():
         assert draws.count(value) / 3000 == pytest.approx(weight / sum(weights.values()), abs=0.03)
 
