@@ -58,6 +58,8 @@ BUDGETS = {
         warmup_groups_per_update=1,
         td_updates=2,
         max_critic_tokens=16,
+        uncertain_band=(0.0, 1.0),  # every endpoint stored: the tiny model's critic values them all 0 (the default
+        # leaves those out)
     ),
     # every trajectory labelled by the judge below: its GOOD/BAD labels give non-zero advantages, so the adapter trains
     "adca_grpo": dict(
@@ -125,7 +127,10 @@ def cli(values: dict) -> list[str]:
     flags = []
     for key, value in values.items():
         flag = "--" + key.replace("_", "-")
-        flags += ([flag] if value else ["--no-" + flag[2:]]) if isinstance(value, bool) else [flag, str(value)]
+        if isinstance(value, bool):
+            flags += [flag] if value else ["--no-" + flag[2:]]
+        else:
+            flags += [flag, *map(str, value)] if isinstance(value, tuple) else [flag, str(value)]
     return flags
 
 
