@@ -128,6 +128,10 @@ class Args:
     """weight of the critic's datums in the update it shares with the actor (their advantages are scaled by it; one
     LoRA learns both): 1 = the source's equal weight; 0.3 did not stop the critic's answers collapsing at long
     horizon (docs/does-it-learn.md)"""
+    td_critic: bool = True
+    """phase 2 trains the critic towards its TD targets (the source); --no-td-critic keeps the critic as phase 1 left
+    it, sampled for endpoint values only (the actor's updates of the shared LoRA still move it): at long horizon TD
+    training made the critic rank held-out states worse than the warm start's critic did (docs/does-it-learn.md)"""
     critic_baseline: Literal["state", "batch"] = "state"
     """what the critic's rewards are centred on: the mean of the K answers on the same state (the source; a state
     whose K answers agree teaches nothing, so a critic that answers "0" everywhere stays there) or the mean over all
@@ -224,6 +228,10 @@ def validate_args(args: Args) -> None:
         ),
         (args.uncertain_floor >= 0, f"--uncertain-floor must be >= 0, got {args.uncertain_floor}"),
         (args.critic_coef > 0, f"--critic-coef must be > 0 (0 would never train the critic), got {args.critic_coef}"),
+        (
+            args.td_critic or not args.critic_replay,
+            "--critic-replay trains the critic in phase 2: not with --no-td-critic",
+        ),
         (
             args.max_turns >= 1 and (args.eval_only or args.max_turns % args.macro_rounds == 0),
             f"--max-turns ({args.max_turns}) must be a positive multiple of --macro-rounds ({args.macro_rounds})",
@@ -526,8 +534,9 @@ def critic_metrics(values_per_state, targets: Sequence[float], corr_key: str) ->
     metrics = {
         "critic/value_target_mean": statistics.fmean(targets) if targets else 0.0,
         "critic/value_target_std": statistics.pstdev(targets) if targets else 0.0,
-        "critic/degenerate_group_rate": sum(max(e) - min(e) < 1e-9 for e in sampled) / max(1, len(sampled)),
     }
+    if sampled:
+        metrics["critic/degenerate_group_rate"] = sum(max(e) - min(e) < 1e-9 for e in sampled) / len(sampled)
     errors = [e for values, g in zip(values_per_state, targets) for e in critic_errors(values, g)]
     if not errors:
         return metrics
@@ -648,6 +657,7 @@ def td_update(rt: Runtime) -> tuple[dict, list[dict]]:
     weights = prefix_weights(rt, live_starts) if args.prefix_is_correction else [None] * len(live_starts)
 
     # ---- Phase 2, step 5: critic targets: K samples on each start state, reward -|V - G| towards G = mean(R)
+    # (--no-td-critic: none sampled, no critic datums)
     targets = [target for _, target, _ in signals]
     start_values, critic_datums = score_critic_by_flags(rt, critic.start_prompts, critic.start_replies, targets)
     # (--critic-replay) and on warm-up states drawn from the replay, towards their Monte-Carlo returns
@@ -701,7 +711,8 @@ def td_update(rt: Runtime) -> tuple[dict, list[dict]]:
 
 @dataclass
 class CriticPass:
-    """The critic's one batched call of a TD update: E samples on every branch endpoint, K on every start state."""
+    """The critic's one batched call of a TD update: E samples on every branch endpoint, K on every start state
+    (none with --no-td-critic: they only train it)."""
 
     branch_values: list[list[float | None]]  # per group and branch: V(endpoint), mean of its parsed samples (0 when
     # all fail or its prompt is over budget); None for a terminal branch (won, at T, or out of tokens mid-segment)
@@ -709,7 +720,7 @@ class CriticPass:
     endpoint_values: list[float]  # their values, as in branch_values
     endpoint_prompts: list[list[int] | None]  # None: over budget, never sent
     start_prompts: list[list[int] | None]
-    start_replies: list[list[common.Completion]]  # [] when the start state's prompt is over budget
+    start_replies: list[list[common.Completion]]  # [] when the start state's prompt is over budget (or --no-td-critic)
     endpoint_failures: int  # endpoint samples that did not parse
     generated_tokens: int  # of all critic replies (the actor's are rollout/generated_tokens)
 
@@ -717,7 +728,7 @@ class CriticPass:
 def critic_pass(rt: Runtime, starts: Sequence[common.SavedState], groups) -> CriticPass:
     """A branch stopped at the macro boundary is valued (also one with no token room for another turn: truncated,
     not ended); every other branch is terminal."""
-    E, K = rt.args.endpoint_samples, rt.args.critic_samples
+    E, K = rt.args.endpoint_samples, rt.args.critic_samples if rt.args.td_critic else 0  # K: only to train it
     endpoints = [t for group in groups for t in group if t.stop_reason == common.STOP_HORIZON]
     endpoint_prompts = [rt.critic_prompt(t.start.game_file, t.start.task, t.messages, t.round_index) for t in endpoints]
     start_prompts = [rt.critic_prompt(s.game_file, s.task, s.messages, s.round_index) for s in starts]

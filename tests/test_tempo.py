@@ -224,6 +224,7 @@ def test_a_batch_baseline_trains_a_state_whose_answers_agree_but_miss():
         (dict(mini_batches=0), "--mini-batches"),
         (dict(fresh_state_share=1.5), "--fresh-state-share"),
         (dict(critic_coef=0.0), "--critic-coef"),
+        (dict(td_critic=False, critic_replay=2), "--critic-replay"),
         (dict(max_trajectory_tokens=512, max_turn_tokens=512), "--max-trajectory-tokens"),
         (dict(max_critic_tokens=24576), "--max-critic-tokens"),
         (dict(critic_step_chars=0), "--critic-step-chars"),
@@ -705,6 +706,34 @@ def test_td_update_wiring_numbers(runtime, monkeypatch, critic_coef, critic_base
     assert metrics["critic/prompt_too_long_rate"] == 0 and metrics["td/new_endpoints"] == len(rt.store) == in_band
     assert metrics["td/endpoints_left_out"] == len(expected["endpoint_values"]) - in_band > 0
     assert metrics["td/store_value_mean"] == pytest.approx(statistics.fmean(v for _, v in rt.store.entries))
+
+
+def test_no_td_critic_values_endpoints_and_trains_only_the_actor(runtime, monkeypatch):
+    """--no-td-critic: the TD update values the endpoints as before and trains the same actor datums, but samples
+    the critic on no start state and trains no critic datum."""
+    sizes = dict(groups_per_update=2, group_size=3, critic_samples=4, endpoint_samples=2)
+    budgets = dict(horizon=2, max_turns=4, max_turn_tokens=24, max_trajectory_tokens=4096)
+    runs = {}
+    for td_critic in (True, False):
+        rt = runtime(td_critic=td_critic, **sizes)
+        rt.sample_fn, seen = scored_script(rt)
+        (segment,) = common.rollout([rt.next_game_start()], 1, rt.sample_fn, rt.protocol, **budgets)
+        rt.store.add(segment[0].saved_state(), 0.5)
+        rollouts, updates = record_rollouts_and_updates(rt, monkeypatch)
+        metrics, _ = tempo.td_update(rt)
+        is_critic = [tempo.CRITIC_SYSTEM_PROMPT in rt.tokenizer.decode(d.tokens) for d in updates[0]]
+        actor = {tuple(d.tokens): trained_advantages(d) for d, c in zip(updates[0], is_critic) if not c}
+        starts = {critic_text(rt, g[0].start, g[0].start.messages, g[0].start.round_index)[1] for g in rollouts[-1]}
+        runs[td_critic] = (metrics, actor, sum(is_critic), len(starts & set(seen["critic"])), len(seen["critic"]))
+    (trained, trained_actor, trained_critic, trained_starts, trained_samples) = runs[True]
+    (frozen, frozen_actor, frozen_critic, frozen_starts, frozen_samples) = runs[False]
+    assert trained_actor and frozen_actor.keys() == trained_actor.keys()
+    assert all(frozen_actor[k] == pytest.approx(trained_actor[k]) for k in trained_actor)
+    assert trained_critic > 0 and trained_starts == 2 and frozen_critic == 0 and frozen_starts == 0
+    assert frozen_samples == trained_samples - 2 * 4  # K = 4 on each of the 2 start states, no more
+    assert frozen["critic/endpoint_value_mean"] == pytest.approx(trained["critic/endpoint_value_mean"])
+    assert frozen["critic/value_target_mean"] == pytest.approx(trained["critic/value_target_mean"])
+    assert "critic/degenerate_group_rate" in trained and "critic/degenerate_group_rate" not in frozen
 
 
 def test_critic_replay_rescores_warmup_states_against_their_returns(runtime, monkeypatch):

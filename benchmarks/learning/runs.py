@@ -65,6 +65,9 @@ ALGORITHMS = {
     # the band's lower edge only: endpoints the critic calls hopeless (< 0.05) left out, the floor kept, so sure
     # states (a 0/1 critic's 1s) are still drawn; the default since 2026-12-02 (measured under this name)
     "tempo_lower_band": ("tempo.py", ["--uncertain-band", "0.05", "1.0"]),
+    # the default with the critic left as phase 1 trained it (no TD critic datums): at long horizon the TD-trained
+    # critic ranked held-out states worse than the warm start's (docs/does-it-learn.md)
+    "tempo_no_td_critic": ("tempo.py", ["--no-td-critic"]),
     # the source's store, half of each TD update's starts fresh games
     "tempo_fresh": ("tempo.py", ["--state-selection", "uniform", "--fresh-state-share", "0.5"]),
 }
