@@ -203,16 +203,18 @@ def test_sft_critic_states_answer_each_state_with_its_value(runtime, tmp_path):
 
 
 def test_learning_benchmark_tables_the_critic_per_evaluation_point():
-    def point(update, r, mae):
+    def point(update, r, mae, values):
         scores = {c: {"r": r, "mae": mae} for c in ("generative", "value_head", "constant", "nothing_count")}
         scores["constant"]["r"] = None
-        scores["generative"]["parse_rate"] = 1.0
-        return {"update": update, "critic": scores | {"values": {"n": 32, "mean": 0.2, "std": 0.3}}}
+        scores["generative"] |= {"parse_rate": 1.0, "predictions": [0.1, 0.5, 0.9, 0.2]}
+        return {"update": update, "critic": scores | {"values": {"n": 32, "mean": 0.2, "std": 0.3, "values": values}}}
 
+    # the true V of the two checkpoints: the warm start's predictions rank the first perfectly, the second not
+    seed_values = {1: [0.1, 0.5, 0.9, 0.2], 2: [0.9, 0.0, 0.4, 0.1]}
     results = {
-        "start": {"critic": point(0, 0.0, 0.5)["critic"]},
+        "start": {"critic": point(0, 0.0, 0.5, seed_values[1])["critic"]},
         "runs": {
-            f"tempo-s{seed}": {"algorithm": "tempo", "points": [{}, point(6, r, 0.3)]}
+            f"tempo-s{seed}": {"algorithm": "tempo", "points": [{}, point(6, r, 0.3, seed_values[seed])]}
             for seed, r in ((1, 0.2), (2, 0.4))
         },
     }
@@ -220,3 +222,6 @@ def test_learning_benchmark_tables_the_critic_per_evaluation_point():
     assert lines[2].startswith("| (warm start) | 0 | 1 | 32 | 0.20 (0.30) | +0.00 / 0.500 |")
     assert lines[3].startswith("| tempo | 6 | 2 | 32 | 0.20 (0.30) | +0.30 / 0.300 |")
     assert "n/a / 0.300" in lines[3] and len(lines) == 4  # the constant has no r
+    # the last column: the warm start's critic, untrained, against each checkpoint's true V (mean over seeds)
+    untrained = statistics.fmean(statistics.correlation([0.1, 0.5, 0.9, 0.2], v) for v in seed_values.values())
+    assert lines[2].endswith("| +1.00 |") and lines[3].endswith(f"| {untrained:+.2f} |")

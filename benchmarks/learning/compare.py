@@ -250,14 +250,16 @@ def signals_summary(results: dict, args: Args, late: bool = False) -> str:
 
 
 def critic_summary(results: dict, args: Args) -> str:
-    """TEMPO's critic on the held-out states per evaluation point, means over seeds: r and MAE of each critic."""
+    """TEMPO's critic on the held-out states per evaluation point, means over seeds: r and MAE of each critic, and r
+    of the warm start's generative critic, untrained, against the point's true V (what training the critic bought)."""
     critics = ("generative", "value_head", "constant", "nothing_count")
     lines = [
         "| algorithm | update | seeds | states | true V mean (std) | "
         + " | ".join(f"{c} r / MAE" for c in critics)
-        + " | parse rate |",
-        "|---|---|---|---|---|" + "---|" * len(critics) + "---|",
+        + " | parse rate | warm start's generative r |",
+        "|---|---|---|---|---|" + "---|" * len(critics) + "---|---|",
     ]
+    warm = results["start"].get("critic", {}).get("generative", {}).get("predictions")
 
     def mean(values):
         values = [v for v in values if v is not None]
@@ -271,8 +273,9 @@ def critic_summary(results: dict, args: Args) -> str:
         ]
         parse = statistics.fmean(s["generative"]["parse_rate"] for s in scores)
         v_mean, v_std = statistics.fmean(v["mean"] for v in values), statistics.fmean(v["std"] for v in values)
+        untrained = mean(critic.pearson(warm, v["values"]) for v in values) if warm else "n/a"
         return f"| {name} | {update} | {len(points)} | {values[0]['n']} | {v_mean:.2f} ({v_std:.2f}) | " + (
-            " | ".join(cells) + f" | {parse:.2f} |"
+            " | ".join(cells) + f" | {parse:.2f} | {untrained} |"
         )
 
     if "critic" in results["start"]:
