@@ -175,6 +175,14 @@ def test_the_learning_presets_are_what_the_learning_benchmark_runs(module, setti
     assert preset.max_turns == recipe.max_turns
 
 
+def test_a_tempo_variant_without_warmup_gets_the_runs_updates_as_td_updates():
+    for name, (warmup, td) in {"tempo": (3, 21), "tempo_fixed_critic": (0, 24)}.items():
+        command = runs.algorithm_command(name, 1, 12, Path("/m"), Path("/g"), Path("/r"), "long", 12, 21)
+        args = parsed(tempo, command[1:])
+        assert (args.warmup_updates, args.td_updates) == (warmup, td)
+        assert runs.run_updates(name, 12, 21) == 24  # the same checkpoints for every TEMPO variant
+
+
 def test_the_learning_benchmark_runs_a_variant_at_another_learning_rate():
     command = runs.algorithm_command("tempo_ppo@3e-3", 1, 12, Path("/m"), Path("/g"), Path("/r"), "short", 6)
     args = parsed(tempo, command[1:])

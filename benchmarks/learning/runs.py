@@ -68,6 +68,9 @@ ALGORITHMS = {
     # the default with the critic left as phase 1 trained it (no TD critic datums): at long horizon the TD-trained
     # critic ranked held-out states worse than the warm start's (docs/does-it-learn.md)
     "tempo_no_td_critic": ("tempo.py", ["--no-td-critic"]),
+    # the critic exactly as the warm start's SFT left it: no Monte-Carlo warm-up (its 0/1 targets taught "0") and no TD
+    # critic datums, so its 3 warm-up updates become TD updates (the same 24 updates, more of them the actor's)
+    "tempo_fixed_critic": ("tempo.py", ["--no-td-critic", "--warmup-updates", "0"]),
     # the source's store, half of each TD update's starts fresh games
     "tempo_fresh": ("tempo.py", ["--state-selection", "uniform", "--fresh-state-share", "0.5"]),
 }
@@ -100,10 +103,11 @@ def algorithm_command(
     tempo_td_updates: int = 0,
 ) -> list[str]:  # fmt: skip
     """`script.py learning`: the script's own preset of the setting's recipe, at this run's seed and updates (TEMPO:
-    run_updates), a checkpoint every save_every updates."""
+    run_updates, of which the variant's --warmup-updates or else a quarter warm-up), a checkpoint every save_every
+    updates."""
     script, flags = algorithm(name)
     if script == "tempo.py":
-        warmup = max(1, updates // 4)
+        warmup = int(flags[flags.index("--warmup-updates") + 1]) if "--warmup-updates" in flags else max(1, updates // 4)
         td_updates = run_updates(name, updates, tempo_td_updates) - warmup
         flags = [*flags, "--warmup-updates", str(warmup), "--td-updates", str(td_updates)]
     else:
