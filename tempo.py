@@ -130,8 +130,9 @@ class Args:
     horizon (docs/does-it-learn.md)"""
     td_critic: bool = True
     """phase 2 trains the critic towards its TD targets (the source); --no-td-critic keeps the critic as phase 1 left
-    it, sampled for endpoint values only (the actor's updates of the shared LoRA still move it): at long horizon TD
-    training made the critic rank held-out states worse than the warm start's critic did (docs/does-it-learn.md)"""
+    it, sampled for endpoint values only (the actor's updates of the shared LoRA still move it): at long horizon it
+    then kept its ranking of held-out states, which TD training lowered, but the actor did no better
+    (docs/does-it-learn.md)"""
     critic_baseline: Literal["state", "batch"] = "state"
     """what the critic's rewards are centred on: the mean of the K answers on the same state (the source; a state
     whose K answers agree teaches nothing, so a critic that answers "0" everywhere stays there) or the mean over all

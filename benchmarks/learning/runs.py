@@ -65,8 +65,8 @@ ALGORITHMS = {
     # the band's lower edge only: endpoints the critic calls hopeless (< 0.05) left out, the floor kept, so sure
     # states (a 0/1 critic's 1s) are still drawn; the default since 2026-12-02 (measured under this name)
     "tempo_lower_band": ("tempo.py", ["--uncertain-band", "0.05", "1.0"]),
-    # the default with the critic left as phase 1 trained it (no TD critic datums): at long horizon the TD-trained
-    # critic ranked held-out states worse than the warm start's (docs/does-it-learn.md)
+    # the default with the critic left as phase 1 trained it (no TD critic datums): it kept its ranking of held-out
+    # states, which TD training lowered; success no better (docs/does-it-learn.md)
     "tempo_no_td_critic": ("tempo.py", ["--no-td-critic"]),
     # the critic exactly as the warm start's SFT left it: no Monte-Carlo warm-up (its 0/1 targets taught "0") and no TD
     # critic datums, so its 3 warm-up updates become TD updates (the same 24 updates, more of them the actor's)
@@ -107,7 +107,8 @@ def algorithm_command(
     updates."""
     script, flags = algorithm(name)
     if script == "tempo.py":
-        warmup = int(flags[flags.index("--warmup-updates") + 1]) if "--warmup-updates" in flags else max(1, updates // 4)
+        preset_warmup = "--warmup-updates" in flags
+        warmup = int(flags[flags.index("--warmup-updates") + 1]) if preset_warmup else max(1, updates // 4)
         td_updates = run_updates(name, updates, tempo_td_updates) - warmup
         flags = [*flags, "--warmup-updates", str(warmup), "--td-updates", str(td_updates)]
     else:
