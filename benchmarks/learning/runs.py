@@ -107,8 +107,8 @@ def algorithm_command(
     updates."""
     script, flags = algorithm(name)
     if script == "tempo.py":
-        preset_warmup = "--warmup-updates" in flags
-        warmup = int(flags[flags.index("--warmup-updates") + 1]) if preset_warmup else max(1, updates // 4)
+        variant_sets_warmup = "--warmup-updates" in flags
+        warmup = int(flags[flags.index("--warmup-updates") + 1]) if variant_sets_warmup else max(1, updates // 4)
         td_updates = run_updates(name, updates, tempo_td_updates) - warmup
         flags = [*flags, "--warmup-updates", str(warmup), "--td-updates", str(td_updates)]
     else:
