@@ -107,10 +107,12 @@ def algorithm_command(
     updates."""
     script, flags = algorithm(name)
     if script == "tempo.py":
-        variant_sets_warmup = "--warmup-updates" in flags
-        warmup = int(flags[flags.index("--warmup-updates") + 1]) if variant_sets_warmup else max(1, updates // 4)
-        td_updates = run_updates(name, updates, tempo_td_updates) - warmup
-        flags = [*flags, "--warmup-updates", str(warmup), "--td-updates", str(td_updates)]
+        if "--warmup-updates" in flags:  # the variant's own warm-up
+            warmup = int(flags[flags.index("--warmup-updates") + 1])
+        else:
+            warmup = max(1, updates // 4)
+            flags = [*flags, "--warmup-updates", str(warmup)]
+        flags = [*flags, "--td-updates", str(run_updates(name, updates, tempo_td_updates) - warmup)]
     else:
         flags = [*flags, "--num-updates", str(updates)] + (
             ["--prm-steps", str(updates)] if name.partition("@")[0] == "adca_oracle" else []
