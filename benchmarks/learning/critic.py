@@ -91,8 +91,9 @@ class Args:
     """the fix, critic examples on the warm start's own pool answered with V (sft.py --critic-states): extra-stage:
     --fix-epochs of sft.py on the warm start with them, beside noisy-expert actor examples; last-stage: the warm
     start's last sft.py stage redone with them in place of its Monte-Carlo critic examples (the same actor data)"""
-    fix_epochs: float = 10.0
-    """extra-stage: epochs of the fix (critic examples alone, 10 epochs: the actor never won)"""
+    fix_epochs: float | None = None
+    """epochs of the fix's sft.py run; None: extra-stage's 10 (critic examples alone: the actor never won) or the redone
+    last stage's own (8 in the long setting); set, the fixed warm start's folder is named after it (last-stage-critic-e16)"""
     fix_warmups: tuple[str, ...] = ("recipe",)
     """warm-ups of WARMUPS run from the fixed warm start and scored"""
     seed: int = 1
@@ -582,19 +583,22 @@ class Probe:
 def fixed_warm_start(probe: Probe, args: Args) -> Path:
     """The fix at the source (--fix): TEMPO critic examples of the warm start's own training pool answered with the
     states' estimated V (sft.py --critic-states), beside noisy-expert actor examples (cached)."""
-    path = probe.dir / ("warm-start-critic" if args.fix == "extra-stage" else "last-stage-critic")
+    name = "warm-start-critic" if args.fix == "extra-stage" else "last-stage-critic"
+    path = probe.dir / (name if args.fix_epochs is None else f"{name}-e{args.fix_epochs:g}")
     if (path / "sft.json").is_file():
         return path
     agent, states = runs.SETTINGS[args.setting][0], str(probe.dir / "critic_states.jsonl")
     recipe = offline.TINY_AGENTS[agent]
     last = len(recipe.stages)
     if args.fix == "extra-stage":
-        log(f"the fix: sft.py --critic-states on the warm start, {args.fix_epochs:g} epochs")
-        model, extra = probe.warm, ["--num-epochs", str(args.fix_epochs), "--seed", str(args.seed)]
+        epochs = 10.0 if args.fix_epochs is None else args.fix_epochs
+        log(f"the fix: sft.py --critic-states on the warm start, {epochs:g} epochs")
+        model, extra = probe.warm, ["--num-epochs", f"{epochs:g}", "--seed", str(args.seed)]
     else:
         log(f"the fix: the warm start's stage {last} redone with --critic-states instead of --critic-examples")
         agents.build(args.cache, args.threads, agent, shipped=False)  # its stages, built once if missing
-        model, extra = Path(args.cache) / f"{recipe.dir_prefix}-stage{last - 1}", []
+        model = Path(args.cache) / f"{recipe.dir_prefix}-stage{last - 1}"
+        extra = [] if args.fix_epochs is None else ["--num-epochs", f"{args.fix_epochs:g}"]  # after the stage's own
     # the last stage's data and flags (T, H, lr, noisy expert), its Monte-Carlo critic examples swapped for V's
     command = agents.stage_command(agent, last, model, path, probe.games_dir, critic_examples=False)
     command += ["--critic-states", states, *extra]
