@@ -820,7 +820,7 @@ TINY_AGENTS = {
 TINY_AGENT = "tiny-agent"
 TINY_AGENT_TASK_TYPES = TINY_AGENTS[TINY_AGENT].task_types
 # tiny-agent's weights ship with the repo (3.7 MB), so a first run waits only for its games; `python -m
-# benchmarks.learning.agents --out DIR` rebuilds them bit for bit (~7 min on one CPU thread) and compares
+# benchmarks.learning.agents --out DIR` rebuilds them (~7 min on one CPU thread) and compares
 SHIPPED_AGENTS_DIR = Path(__file__).resolve().parent / "assets"
 
 

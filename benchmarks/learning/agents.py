@@ -1,7 +1,7 @@
 """The tiny agents' warm starts (`--model tiny-agent`, `tiny-agent-long`), built: a random 0.9M-parameter Qwen2, then
 the sft.py stages of its recipe (offline.TINY_AGENTS), each cached in the learning benchmark's cache, so that a killed
-build resumes. tiny-agent's weights ship in assets/; this rebuilds them bit for bit (~7 min on one CPU thread) and
-compares:
+build resumes. tiny-agent's weights ship in assets/; this rebuilds them (~7 min on one CPU thread; bit for bit
+with the packages they were built with, not with a fresh venv of 2026-12-02) and compares:
 
     python -m benchmarks.learning.agents --name tiny-agent --out /tmp/tiny-agent-build
     python -m benchmarks.learning.agents --name tiny-agent-long     # into the cache, where --model tiny-agent-long looks
