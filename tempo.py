@@ -8,7 +8,8 @@ branches' endpoints with the critic (TD bootstrap), gives every branch the advan
 R_n = segment reward + V(endpoint), trains the critic towards mean(R) from the start state, and puts the
 endpoints back into a FIFO state store so later updates start from them. --state-selection uncertain (the default)
 stores only endpoints whose outcome the critic calls uncertain and draws start states where N branches are most
-likely to disagree; uniform is the source's rule (every endpoint stored, drawn uniformly).
+likely to disagree; uniform is the source's rule (every endpoint stored, drawn uniformly); outcome keeps the
+lineages whose branches disagreed (a start state whose group had a gradient goes back with its endpoints).
 
 Phase 1 (value warm-up) trains the critic alone on Monte-Carlo returns of full games.
 Phase 2 (TD loop) trains actor and critic together, in one forward/backward and one optimizer step.
@@ -104,10 +105,12 @@ class Args:
     """phase 2: TD updates (actor + critic)"""
     state_store_capacity: int = 256
     """FIFO capacity of the store of macro-boundary states"""
-    state_selection: Literal["uncertain", "uniform"] = "uncertain"
+    state_selection: Literal["uncertain", "uniform", "outcome"] = "uncertain"
     """uncertain: draw start states with probability 1 - V^N - (1 - V)^N + --uncertain-floor (the chance that N branches
     from a state the critic values V disagree) among the endpoints valued inside --uncertain-band; uniform: the
-    source's rule, every endpoint stored and drawn uniformly (at long horizon the store fills with dead ends)"""
+    source's rule, every endpoint stored and drawn uniformly (at long horizon the store fills with dead ends);
+    outcome: drawn uniformly, but what the branches did decides, not the critic: a start state whose group had a
+    gradient goes back into the store with its endpoints, a degenerate group's start and endpoints are dropped"""
     uncertain_band: tuple[float, float] = (0.05, 1.0)
     """[lo, hi]: with --state-selection uncertain, endpoints valued outside it are not stored (default: those the
     critic calls hopeless, so the store does not fill with dead ends; 0 1 keeps every endpoint)"""
@@ -382,7 +385,8 @@ def critic_prompt(
 
 class StateStore:
     """FIFO store of macro-boundary states, each with the critic's value V of it; the oldest fall out beyond
-    `capacity`. selection "uniform" (the source): every state is kept and drawn uniformly. "uncertain": a state valued
+    `capacity`. selection "uniform" (the source) and "outcome": every state added is kept and drawn uniformly (under
+    "outcome" td_update adds only the starts and endpoints of groups with a gradient). "uncertain": a state valued
     outside `band` is not kept, and states are drawn with probability proportional to 1 - V^N - (1 - V)^N + `floor`:
     the chance that N branches from a state won with probability V do not all end alike (a group with a gradient)."""
 
@@ -402,7 +406,7 @@ class StateStore:
 
     def weight(self, value: float) -> float:
         n = self.group_size
-        return 1.0 if self.selection == "uniform" else 1.0 - value**n - (1.0 - value) ** n + self.floor
+        return 1.0 if self.selection != "uncertain" else 1.0 - value**n - (1.0 - value) ** n + self.floor
 
     def take(self, n: int, rng: random.Random) -> list[tuple[common.SavedState, float]]:
         """Up to n (state, value) pairs, drawn by the rule's weights without replacement; taken states leave the
@@ -681,12 +685,19 @@ def td_update(rt: Runtime) -> tuple[dict, list[dict]]:
     t_update = time.time()
 
     # ---- Phase 2, step 7: endpoints with room for another turn (and a critic prompt within budget, so they can be
-    # valued again) go back into the store, with their value, if --state-selection keeps them
+    # valued again) go back into the store, with their value, if --state-selection keeps them; under outcome only a
+    # group with a gradient continues: its endpoints, and its start state (valued G) drawn again
+    gradient = [not is_degenerate(advantages) for _, _, advantages in signals]
+    of_group = [i for i, group in enumerate(live_groups) for t in group if t.stop_reason == common.STOP_HORIZON]
+    outcome = args.state_selection == "outcome"
     candidates = [
-        (t, v) for t, p, v in zip(critic.endpoints, critic.endpoint_prompts, critic.endpoint_values)
-        if p is not None and has_room(t, args)
+        (t, v) for t, p, v, i in zip(critic.endpoints, critic.endpoint_prompts, critic.endpoint_values, of_group)
+        if p is not None and has_room(t, args) and (gradient[i] or not outcome)
     ]  # fmt: skip
     stored = sum(rt.store.add(traj.saved_state(), value) for traj, value in candidates)
+    kept_starts = [(s, g) for s, (_, g, _), kept in zip(live_starts, signals, gradient) if kept] if outcome else []
+    for state, value in kept_starts:
+        rt.store.add(state, value)
 
     metrics |= td_metrics(live_groups, critic, signals, weights, start_values)
     metrics |= store_metrics(rt.store, args.max_turns // args.macro_rounds, args.macro_rounds)
@@ -699,7 +710,8 @@ def td_update(rt: Runtime) -> tuple[dict, list[dict]]:
         "actor/trained_tokens": common.Count(actor_tokens),
         "td/fresh_states": common.Count(fresh),
         "td/new_endpoints": common.Count(stored),
-        "td/endpoints_left_out": common.Count(len(candidates) - stored),
+        "td/endpoints_left_out": common.Count(len(critic.endpoints) - stored),
+        "td/starts_kept": common.Count(len(kept_starts)),
         "td/restore_failures": common.Count(len(starts) - len(live_starts)),
         "td/macro_index_mean": statistics.fmean(s.round_index / args.macro_rounds for s in starts),
         **({"td/start_value_mean": statistics.fmean(value for _, value in taken)} if taken else {}),
@@ -783,14 +795,15 @@ def td_metrics(groups, critic: CriticPass, signals, weights, start_values) -> di
 
 
 def store_metrics(store: StateStore, macro_steps: int, macro_rounds: int) -> dict:
-    """The store after the update: its size, mean critic value, and the share of its states at each macro index
-    (1 .. T/H - 1: a stored state is a boundary after at least one macro step, before the last)."""
+    """The store after the update: its size, mean value, and the share of its states at each macro index (1 .. T/H - 1:
+    an endpoint is a boundary after at least one macro step, before the last; 0 too once a kept fresh start is in)."""
     metrics = {"td/store_size": common.Count(len(store))}
     if store.entries:
         indices = [state.round_index // macro_rounds for state, _ in store.entries]
         metrics["td/store_value_mean"] = statistics.fmean(value for _, value in store.entries)
         metrics["td/store_macro_index_mean"] = statistics.fmean(indices)
-        metrics |= {f"td/store_macro_index_{k}_share": indices.count(k) / len(indices) for k in range(1, macro_steps)}
+        shown = sorted({*range(1, macro_steps), *indices})
+        metrics |= {f"td/store_macro_index_{k}_share": indices.count(k) / len(indices) for k in shown}
     return metrics
 
 

@@ -708,6 +708,53 @@ def test_td_update_wiring_numbers(runtime, monkeypatch, critic_coef, critic_base
     assert metrics["td/store_value_mean"] == pytest.approx(statistics.fmean(v for _, v in rt.store.entries))
 
 
+def test_outcome_store_keeps_only_the_lineages_whose_branches_disagreed(runtime, monkeypatch):
+    """--state-selection outcome: a start state whose group had a gradient goes back into the store (valued its
+    target G) with its endpoints; a degenerate group's start state and endpoints are dropped, whatever the critic
+    says of them."""
+    rt = runtime(state_selection="outcome", groups_per_update=3, group_size=3, critic_samples=4, endpoint_samples=2)
+    rt.sample_fn, seen = scored_script(rt)
+    budgets = dict(horizon=2, max_turns=4, max_turn_tokens=24, max_trajectory_tokens=4096)
+    (segment,) = common.rollout([rt.next_game_start()], 1, rt.sample_fn, rt.protocol, **budgets)
+    rt.store.add(segment[0].saved_state(), 0.5)  # at turn 2 of T = 4: its branches end terminal, all worth 0
+    rollouts, updates = record_rollouts_and_updates(rt, monkeypatch)
+    metrics, _ = tempo.td_update(rt)
+    (groups,), (datums,) = rollouts, updates
+    check_td_wiring(rt, seen, groups, datums)  # a group has actor datums exactly when it has a gradient
+    trained = {tuple(d.tokens) for d in datums}
+    with_gradient = [g for g in groups if any(tuple(t.sequence()[0]) in trained for t in g)]
+    degenerate = [g for g in groups if g not in with_gradient]
+    assert with_gradient and degenerate  # both kinds are in this update (the stored state's group is degenerate)
+
+    def key(state):
+        return json.dumps(state.to_json(), sort_keys=True)
+
+    def endpoints(group_list):
+        return [key(t.saved_state()) for g in group_list for t in g if t.stop_reason == common.STOP_HORIZON]
+
+    targets = {key(g[0].start): statistics.fmean(t.reward + v for t, v in zip(g, values_of(rt, seen, g))) for g in groups}
+    stored = {key(state): value for state, value in rt.store.entries}
+    kept = [key(g[0].start) for g in with_gradient]
+    assert sorted(stored) == sorted(kept + endpoints(with_gradient)) and endpoints(with_gradient)
+    assert all(stored[k] == pytest.approx(targets[k]) for k in kept)
+    assert not set(stored) & ({key(g[0].start) for g in degenerate} | set(endpoints(degenerate)))
+    assert metrics["td/starts_kept"] == len(kept) and metrics["td/new_endpoints"] == len(endpoints(with_gradient))
+    assert metrics["td/endpoints_left_out"] == len(endpoints(degenerate))
+
+
+def values_of(rt, seen, group) -> list[float]:
+    """Each branch's endpoint value as the scripted critic gave it (0 for a terminal branch)."""
+    start, values = group[0].start, []
+    for traj in group:
+        if traj.stop_reason != common.STOP_HORIZON:
+            values.append(0.0)
+            continue
+        samples = pattern_values(seen, critic_text(rt, start, traj.messages, traj.round_index)[1], 2)
+        parsed = [v for v in samples if v is not None]
+        values.append(statistics.fmean(parsed) if parsed else 0.0)
+    return values
+
+
 def test_no_td_critic_values_endpoints_and_trains_only_the_actor(runtime, monkeypatch):
     """--no-td-critic: the TD update values the endpoints as before and trains the same actor datums, but samples
     the critic on no start state and trains no critic datum."""

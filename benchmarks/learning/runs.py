@@ -73,6 +73,9 @@ ALGORITHMS = {
     "tempo_fixed_critic": ("tempo.py", ["--no-td-critic", "--warmup-updates", "0"]),
     # the source's store, half of each TD update's starts fresh games
     "tempo_fresh": ("tempo.py", ["--state-selection", "uniform", "--fresh-state-share", "0.5"]),
+    # the store by what the branches did: a start whose group had a gradient is drawn again and its endpoints stored;
+    # a degenerate group's lineage ends (the critic's values play no part)
+    "tempo_outcome": ("tempo.py", ["--state-selection", "outcome"]),
 }
 
 
