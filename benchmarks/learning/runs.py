@@ -76,8 +76,8 @@ ALGORITHMS = {
     # the store by what the branches did: a start whose group had a gradient is drawn again and its endpoints stored;
     # a degenerate group's lineage ends (the critic's values play no part)
     "tempo_outcome": ("tempo.py", ["--state-selection", "outcome"]),
-    # each endpoint valued by the mean of 8 critic samples (default 2): less of the critic's sampling noise in the
-    # branches' returns
+    # each endpoint valued by the mean of 8 critic samples (the benchmark's preset: 1): less of the critic's sampling
+    # noise in the branches' returns
     "tempo_endpoint8": ("tempo.py", ["--endpoint-samples", "8"]),
 }
 
