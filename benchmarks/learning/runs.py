@@ -28,7 +28,9 @@ ALGORITHMS = {
     "adca_oracle": ("adca_grpo.py", []),
     "gigpo": ("gigpo.py", []),
     "ppo": ("ppo.py", []),  # a linear value head on the policy's trunk, turn-level GAE
-    # --state-selection uncertain, the default: endpoints valued below 0.05 left out, draws weighted with floor 0.05
+    # --state-selection uncertain, the default: endpoints valued below 0.05 left out, draws weighted with floor 0.05;
+    # in the long setting at lr 3e-4 since 2026-12-02 (the preset's): rows there named tempo* without @LR measured
+    # before then ran at 1e-3
     "tempo": ("tempo.py", []),
     # the default until 2026-12-02: every endpoint stored (the rows named `tempo` measured before then are this rule)
     "tempo_floor": ("tempo.py", ["--uncertain-band", "0", "1"]),
