@@ -867,8 +867,9 @@ PRESETS = {  # name -> (what it is, its values); `python tempo.py NAME --flags`
         "the long-horizon CPU benchmark's recipe: tiny-agent-long, pick two / clean / cool, T 20, H 5, 3 + 21 updates",
         Args(
             # lr 3e-4, not the others' 1e-3: an update trains ~1/5 of GRPO's tokens, and at 1e-3 3 of 5 seeds fell
-            # while at 3e-4 none did (docs/does-it-learn.md)
+            # while at 3e-4 none did; the outcome store keeps its groups informative (docs/does-it-learn.md)
             **{**common.LEARNING_SETTINGS["learning-long"], "learning_rate": 3e-4},
+            state_selection="outcome",
             macro_rounds=5,
             max_turns=20,
             group_size=4,

@@ -29,8 +29,8 @@ ALGORITHMS = {
     "gigpo": ("gigpo.py", []),
     "ppo": ("ppo.py", []),  # a linear value head on the policy's trunk, turn-level GAE
     # --state-selection uncertain, the default: endpoints valued below 0.05 left out, draws weighted with floor 0.05;
-    # in the long setting at lr 3e-4 since 2026-12-02 (the preset's): rows there named tempo* without @LR measured
-    # before then ran at 1e-3
+    # in the long setting, since 2026-12-02, the preset's --state-selection outcome at lr 3e-4: rows there named tempo*
+    # without @LR measured before then ran at 1e-3 (and `tempo` with the uncertain store)
     "tempo": ("tempo.py", []),
     # the default until 2026-12-02: every endpoint stored (the rows named `tempo` measured before then are this rule)
     "tempo_floor": ("tempo.py", ["--uncertain-band", "0", "1"]),
