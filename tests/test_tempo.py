@@ -720,7 +720,7 @@ def test_outcome_store_keeps_only_the_lineages_whose_branches_disagreed(runtime,
     rollouts, updates = record_rollouts_and_updates(rt, monkeypatch)
     metrics, _ = tempo.td_update(rt)
     (groups,), (datums,) = rollouts, updates
-    check_td_wiring(rt, seen, groups, datums)  # a group has actor datums exactly when it has a gradient
+    expected = check_td_wiring(rt, seen, groups, datums)  # a group has actor datums exactly when it has a gradient
     trained = {tuple(d.tokens) for d in datums}
     with_gradient = [g for g in groups if any(tuple(t.sequence()[0]) in trained for t in g)]
     degenerate = [g for g in groups if g not in with_gradient]
@@ -732,7 +732,8 @@ def test_outcome_store_keeps_only_the_lineages_whose_branches_disagreed(runtime,
     def endpoints(group_list):
         return [key(t.saved_state()) for g in group_list for t in g if t.stop_reason == common.STOP_HORIZON]
 
-    targets = {key(g[0].start): statistics.fmean(t.reward + v for t, v in zip(g, values_of(rt, seen, g))) for g in groups}
+    live = [g for g in groups if g]  # check_td_wiring's order: one (start values, target G) per live group
+    targets = {key(g[0].start): target for g, (_, target) in zip(live, expected["critic"], strict=True)}
     stored = {key(state): value for state, value in rt.store.entries}
     kept = [key(g[0].start) for g in with_gradient]
     assert sorted(stored) == sorted(kept + endpoints(with_gradient)) and endpoints(with_gradient)
@@ -740,19 +741,6 @@ def test_outcome_store_keeps_only_the_lineages_whose_branches_disagreed(runtime,
     assert not set(stored) & ({key(g[0].start) for g in degenerate} | set(endpoints(degenerate)))
     assert metrics["td/starts_kept"] == len(kept) and metrics["td/new_endpoints"] == len(endpoints(with_gradient))
     assert metrics["td/endpoints_left_out"] == len(endpoints(degenerate))
-
-
-def values_of(rt, seen, group) -> list[float]:
-    """Each branch's endpoint value as the scripted critic gave it (0 for a terminal branch)."""
-    start, values = group[0].start, []
-    for traj in group:
-        if traj.stop_reason != common.STOP_HORIZON:
-            values.append(0.0)
-            continue
-        samples = pattern_values(seen, critic_text(rt, start, traj.messages, traj.round_index)[1], 2)
-        parsed = [v for v in samples if v is not None]
-        values.append(statistics.fmean(parsed) if parsed else 0.0)
-    return values
 
 
 def test_no_td_critic_values_endpoints_and_trains_only_the_actor(runtime, monkeypatch):
