@@ -1,6 +1,7 @@
 """The algorithm learns: a short plain-GRPO run raises the sampled success of a warm-started policy on its games."""
 
 import dataclasses
+import json
 import math
 import statistics
 
@@ -81,3 +82,21 @@ def test_summary_reports_midpoint_tokens_and_the_difference_from_grpo():
         runs[f"grpo-s{seed}"]["points"][-1]["sampled"] = [1, 0, 0, 0]
     table = compare.summarise({"start": start, "runs": runs}, compare.Args(algorithms=("grpo", "tempo")))
     assert all(row.endswith("| - (GRPO ended at or below the start) |") for row in table.splitlines()[2:4])
+
+
+def test_parallel_saves_keep_each_others_runs_and_the_warm_starts_critic(tmp_path):
+    """Two compare.py processes on one results.json, each holding what it read at its start: the second one's save
+    keeps the first one's run and the warm start's critic panel that only the first one computed."""
+    results_file = tmp_path / "results.json"
+    start = {"sampled": [8, 0, 0, 0], "greedy": [1, 0, 0, 0], "episodes": 16, "tokens": 0}
+    compare.save(results_file, {"runs": {}, "start": start}, set())
+    first, second = (json.loads(results_file.read_text()) for _ in range(2))
+    first["start"]["critic"] = {"generative": {"r": 0.6}}
+    first["runs"]["tempo-s1"] = {"algorithm": "tempo", "seed": 1, "points": [first["start"]]}
+    compare.save(results_file, first, {"tempo-s1"})
+    second["runs"]["grpo-s1"] = {"algorithm": "grpo", "seed": 1, "points": [second["start"]]}
+    compare.save(results_file, second, {"grpo-s1"})
+    stored = json.loads(results_file.read_text())
+    assert set(stored["runs"]) == {"tempo-s1", "grpo-s1"}
+    assert stored["start"] == {**start, "critic": {"generative": {"r": 0.6}}}
+    assert stored["runs"]["tempo-s1"]["points"][0]["critic"] == {"generative": {"r": 0.6}}

@@ -368,6 +368,19 @@ def plot(results: dict, out: Path, args: Args) -> None:
         plt.close(fig)
 
 
+def save(results_file: Path, results: dict, ours: set[str]) -> None:
+    """Write results (with its warm start's "start") to results_file, merged with what the file holds: the runs of
+    other algorithms or seeds (keys not in ours) and the warm start's entries (its critic panel) that a parallel
+    process wrote are kept."""
+    stored = json.loads(results_file.read_text()) if results_file.is_file() else {"runs": {}}
+    results["runs"] = {**stored["runs"], **{key: results["runs"][key] for key in ours if key in results["runs"]}}
+    for key, value in stored.get("start", {}).items():
+        results["start"].setdefault(key, value)
+    tmp = results_file.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(results, indent=1))
+    os.replace(tmp, results_file)
+
+
 # =============================================================================================
 # Main
 # =============================================================================================
@@ -403,17 +416,10 @@ def main(args: Args) -> None:
     jobs = [(name, seed) for seed in seeds for name in args.algorithms]
     ours = {f"{name}-s{seed}" for name, seed in jobs}
 
-    def save():  # merged with the file, so runs of other algorithms or seeds in a parallel process are kept
-        stored = json.loads(results_file.read_text()) if results_file.is_file() else {"runs": {}}
-        results["runs"] = {**stored["runs"], **{key: results["runs"][key] for key in ours if key in results["runs"]}}
-        tmp = results_file.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(results, indent=1))
-        os.replace(tmp, results_file)
-
     if "start" not in results:
         log("evaluating the warm start")
         results["start"] = {**evaluate(None, args.start_eval_episodes), "tokens": 0}
-        save()
+        save(results_file, results, ours)
     log(f"warm start: sampled {success(results['start']):.2f}, greedy {success(results['start'], 'greedy'):.2f}")
     probe = None
 
@@ -432,7 +438,7 @@ def main(args: Args) -> None:
     if args.critic_eval and tempo_runs and "critic" not in results["start"]:
         log("the warm start's critic against true V")
         results["start"]["critic"] = critic_point(None)
-        save()
+        save(results_file, results, ours)
     runs_root = cache / f"runs-{mode}"
     for name, seed in tqdm(jobs, desc="runs", unit="run", dynamic_ncols=True):
         key = f"{name}-s{seed}"
@@ -457,19 +463,19 @@ def main(args: Args) -> None:
             log(f"{key}: evaluating update {update}")
             tokens = sum(m.get("rollout/generated_tokens", 0.0) for m in metrics if m["update"] <= update)
             entry["points"].append({**evaluate(checkpoint, args.eval_episodes), "update": update, "tokens": tokens})
-            save()
+            save(results_file, results, ours)
             log(f"{key}: update {update}: sampled {success(entry['points'][-1]):.2f}")
         for point in entry["points"][1:] if args.critic_eval and name.startswith("tempo") else []:
             if "critic" not in point:
                 log(f"{key}: update {point['update']}: the critic against true V")
                 point["critic"] = critic_point(rdir / "checkpoints" / f"update_{point['update']:06d}")
-                save()
+                save(results_file, results, ours)
         for point in entry["points"][1:] if args.critic_eval and name.startswith("ppo") else []:
             if "value_head" not in point:
                 log(f"{key}: update {point['update']}: the value head against true V")
                 checkpoint = rdir / "checkpoints" / f"update_{point['update']:06d}"
                 point["value_head"] = critic.ppo_value_head(held_out_probe(), warm, checkpoint)
-                save()
+                save(results_file, results, ours)
     report(results, out, args)
 
 
