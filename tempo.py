@@ -688,12 +688,11 @@ def td_update(rt: Runtime) -> tuple[dict, list[dict]]:
     # valued again) go back into the store, with their value, if --state-selection keeps them; under outcome only a
     # group with a gradient continues: its endpoints, and its start state (valued G) drawn again
     gradient = [not is_degenerate(advantages) for _, _, advantages in signals]
-    of_group = [i for i, group in enumerate(live_groups) for t in group if t.stop_reason == common.STOP_HORIZON]
     outcome = args.state_selection == "outcome"
+    endpoints = zip(critic.endpoints, critic.endpoint_prompts, critic.endpoint_values, critic.endpoint_groups)
     candidates = [
-        (t, v) for t, p, v, i in zip(critic.endpoints, critic.endpoint_prompts, critic.endpoint_values, of_group)
-        if p is not None and has_room(t, args) and (gradient[i] or not outcome)
-    ]  # fmt: skip
+        (t, v) for t, p, v, i in endpoints if p is not None and has_room(t, args) and (gradient[i] or not outcome)
+    ]
     stored = sum(rt.store.add(traj.saved_state(), value) for traj, value in candidates)
     kept_starts = [(s, g) for s, (_, g, _), kept in zip(live_starts, signals, gradient) if kept] if outcome else []
     for state, value in kept_starts:
@@ -730,6 +729,7 @@ class CriticPass:
     branch_values: list[list[float | None]]  # per group and branch: V(endpoint), mean of its parsed samples (0 when
     # all fail or its prompt is over budget); None for a terminal branch (won, at T, or out of tokens mid-segment)
     endpoints: list[common.Trajectory]  # the branches that stopped at the macro boundary
+    endpoint_groups: list[int]  # the index of each one's group
     endpoint_values: list[float]  # their values, as in branch_values
     endpoint_prompts: list[list[int] | None]  # None: over budget, never sent
     start_prompts: list[list[int] | None]
@@ -742,7 +742,8 @@ def critic_pass(rt: Runtime, starts: Sequence[common.SavedState], groups) -> Cri
     """A branch stopped at the macro boundary is valued (also one with no token room for another turn: truncated,
     not ended); every other branch is terminal."""
     E, K = rt.args.endpoint_samples, rt.args.critic_samples if rt.args.td_critic else 0  # K: only to train it
-    endpoints = [t for group in groups for t in group if t.stop_reason == common.STOP_HORIZON]
+    indexed = [(i, t) for i, group in enumerate(groups) for t in group if t.stop_reason == common.STOP_HORIZON]
+    endpoints = [t for _, t in indexed]
     endpoint_prompts = [rt.critic_prompt(t.start.game_file, t.start.task, t.messages, t.round_index) for t in endpoints]
     start_prompts = [rt.critic_prompt(s.game_file, s.task, s.messages, s.round_index) for s in starts]
     replies = sample_critic(rt, [(p, E) for p in endpoint_prompts] + [(p, K) for p in start_prompts])
@@ -755,6 +756,7 @@ def critic_pass(rt: Runtime, starts: Sequence[common.SavedState], groups) -> Cri
     return CriticPass(
         branch_values,
         endpoints,
+        [i for i, _ in indexed],
         endpoint_values,
         endpoint_prompts,
         start_prompts,
