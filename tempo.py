@@ -6,10 +6,10 @@ actor prompts), and answers with `<value>p</value>`, the chance that the agent s
 of H turns. Each update restores saved mid-episode states, runs N branches for one macro step, values the
 branches' endpoints with the critic (TD bootstrap), gives every branch the advantage R_n - mean(R) with
 R_n = segment reward + V(endpoint), trains the critic towards mean(R) from the start state, and puts the
-endpoints back into a FIFO state store so later updates start from them. --state-selection uncertain (the default)
-stores only endpoints whose outcome the critic calls uncertain and draws start states where N branches are most
-likely to disagree; uniform is the source's rule (every endpoint stored, drawn uniformly); outcome keeps the
-lineages whose branches disagreed (a start state whose group had a gradient goes back with its endpoints).
+endpoints back into a FIFO state store so later updates start from them. --state-selection outcome (the default)
+keeps the lineages whose branches disagreed (a start state whose group had a gradient goes back with its
+endpoints); uncertain stores only endpoints whose outcome the critic calls uncertain and draws start states where N
+branches are most likely to disagree; uniform is the source's rule (every endpoint stored, drawn uniformly).
 
 Phase 1 (value warm-up) trains the critic alone on Monte-Carlo returns of full games.
 Phase 2 (TD loop) trains actor and critic together, in one forward/backward and one optimizer step.
@@ -105,12 +105,12 @@ class Args:
     """phase 2: TD updates (actor + critic)"""
     state_store_capacity: int = 256
     """FIFO capacity of the store of macro-boundary states"""
-    state_selection: Literal["uncertain", "uniform", "outcome"] = "uncertain"
-    """uncertain: draw start states with probability 1 - V^N - (1 - V)^N + --uncertain-floor (the chance that N branches
+    state_selection: Literal["outcome", "uncertain", "uniform"] = "outcome"
+    """outcome: drawn uniformly, but what the branches did decides, not the critic: a start state whose group had a
+    gradient goes back into the store with its endpoints, a degenerate group's start and endpoints are dropped;
+    uncertain: draw start states with probability 1 - V^N - (1 - V)^N + --uncertain-floor (the chance that N branches
     from a state the critic values V disagree) among the endpoints valued inside --uncertain-band; uniform: the
-    source's rule, every endpoint stored and drawn uniformly (at long horizon the store fills with dead ends);
-    outcome: drawn uniformly, but what the branches did decides, not the critic: a start state whose group had a
-    gradient goes back into the store with its endpoints, a degenerate group's start and endpoints are dropped"""
+    source's rule, every endpoint stored and drawn uniformly (at long horizon the store fills with dead ends)"""
     uncertain_band: tuple[float, float] = (0.05, 1.0)
     """[lo, hi]: with --state-selection uncertain, endpoints valued outside it are not stored (default: those the
     critic calls hopeless, so the store does not fill with dead ends; 0 1 keeps every endpoint)"""
@@ -869,9 +869,8 @@ PRESETS = {  # name -> (what it is, its values); `python tempo.py NAME --flags`
         "the long-horizon CPU benchmark's recipe: tiny-agent-long, pick two / clean / cool, T 20, H 5, 3 + 21 updates",
         Args(
             # lr 3e-4, not the others' 1e-3: an update trains ~1/5 of GRPO's tokens, and at 1e-3 3 of 5 seeds fell
-            # while at 3e-4 none did; the outcome store keeps its groups informative (docs/does-it-learn.md)
+            # while at 3e-4 none did (docs/does-it-learn.md)
             **{**common.LEARNING_SETTINGS["learning-long"], "learning_rate": 3e-4},
-            state_selection="outcome",
             macro_rounds=5,
             max_turns=20,
             group_size=4,

@@ -272,11 +272,12 @@ def test_uncertain_store_keeps_states_inside_the_band_and_draws_where_branches_d
     assert {v for _, v in store.take(5, random.Random(0))} == {0.5, 0.1} and len(store) == 0
 
 
-def test_the_default_store_leaves_out_hopeless_endpoints_and_still_draws_sure_ones(all_games, protocol):
-    """The default rule (--uncertain-band 0.05 1, floor 0.05): an endpoint the critic values 0 is not stored; one
-    valued 1 (no chance of a disagreeing group) is, with the floor as its draw weight, so a critic that answers only
-    0 or 1 still leaves start states."""
-    defaults, state, rng = tempo.Args(), common.game_start(all_games[0], protocol), random.Random(0)
+def test_the_uncertain_store_leaves_out_hopeless_endpoints_and_still_draws_sure_ones(all_games, protocol):
+    """--state-selection uncertain with its defaults (--uncertain-band 0.05 1, floor 0.05): an endpoint the critic
+    values 0 is not stored; one valued 1 (no chance of a disagreeing group) is, with the floor as its draw weight, so
+    a critic that answers only 0 or 1 still leaves start states."""
+    defaults = tempo.Args(state_selection="uncertain")
+    state, rng = common.game_start(all_games[0], protocol), random.Random(0)
     draws = []
     for _ in range(3000):
         store = tempo.StateStore(
@@ -430,7 +431,8 @@ def test_clip_eps_stops_the_gradient_outside_the_band(runtime):
 
 
 def test_fresh_state_share_starts_some_td_updates_at_the_beginning(runtime):
-    rt = runtime(critic_samples=2, endpoint_samples=1, fresh_state_share=0.5)
+    # every endpoint stored (uniform), so the second update has states to draw from
+    rt = runtime(critic_samples=2, endpoint_samples=1, fresh_state_share=0.5, state_selection="uniform")
     rt.sample_fn, _ = scored_script(rt, patterns=PARSED_PATTERNS)
     first, _ = tempo.td_update(rt)
     assert first["td/fresh_states"] == 2 and first["td/store_size"] == 4  # an empty store: all fresh
@@ -580,7 +582,10 @@ def check_td_wiring(rt, seen, groups, datums, weight=1.0) -> dict:
 
 
 def test_td_updates_train_actor_and_critic_from_stored_states(runtime):
-    rt = runtime(critic_samples=4, endpoint_samples=2, prefix_is_correction=True, learning_rate=1e-3)
+    # uncertain: the store holds exactly the endpoints (outcome would add the start states whose group had a gradient)
+    rt = runtime(
+        critic_samples=4, endpoint_samples=2, prefix_is_correction=True, learning_rate=1e-3, state_selection="uncertain"
+    )
     rt.sample_fn, seen = scored_script(rt, patterns=PARSED_PATTERNS)
     first, _ = tempo.td_update(rt)
     assert first["td/fresh_states"] == 2 and first["td/macro_index_mean"] == 0
@@ -675,7 +680,13 @@ def test_td_update_wiring_numbers(runtime, monkeypatch, critic_coef, critic_base
     states (times --critic-coef, the actor's unscaled); the metrics are these numbers (the critic's: of the unscaled
     rewards)."""
     sizes = dict(groups_per_update=3, group_size=3, critic_samples=4, endpoint_samples=2)
-    rt = runtime(uncertain_band=(0.05, 0.95), critic_coef=critic_coef, critic_baseline=critic_baseline, **sizes)
+    rt = runtime(
+        state_selection="uncertain",
+        uncertain_band=(0.05, 0.95),
+        critic_coef=critic_coef,
+        critic_baseline=critic_baseline,
+        **sizes,
+    )
     rt.sample_fn, seen = scored_script(rt)
     budgets = dict(horizon=2, max_turns=4, max_turn_tokens=24, max_trajectory_tokens=4096)
     (segment,) = common.rollout([rt.next_game_start()], 1, rt.sample_fn, rt.protocol, **budgets)
@@ -871,8 +882,9 @@ def test_critic_prompts_over_budget_are_skipped_counted_and_never_sent(runtime):
 @pytest.fixture(scope="module")
 def smoke_run(games_root, tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("runs")
-    # every endpoint stored: the untrained model's critic values them all 0, which the default band leaves out
-    args = small_args(games_root, tiny_model_dir, out, eval_every=10, uncertain_band=(0.0, 1.0))
+    # every endpoint stored (the source's rule): the untrained model's groups are all degenerate, so the default
+    # (outcome) would store none
+    args = small_args(games_root, tiny_model_dir, out, eval_every=10, state_selection="uniform")
     run_dir = tempo.main(args)
     return args, run_dir
 

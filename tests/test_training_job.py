@@ -58,8 +58,8 @@ BUDGETS = {
         warmup_groups_per_update=1,
         td_updates=2,
         max_critic_tokens=16,
-        uncertain_band=(0.0, 1.0),  # every endpoint stored: the tiny model's critic values them all 0 (the default
-        # leaves those out)
+        state_selection="uniform",  # every endpoint stored: the tiny model's groups are all degenerate (the default,
+        # outcome, stores none of them)
     ),
     # every trajectory labelled by the judge below: its GOOD/BAD labels give non-zero advantages, so the adapter trains
     "adca_grpo": dict(

@@ -22,28 +22,34 @@ def recipe(setting: str):
     return adca_grpo.PRESETS[SETTINGS[setting][1]][1]
 
 
+# tempo_band's store rule (below), shared by the variants that combine it with another flag
+UNCERTAIN_BAND = ["--state-selection", "uncertain", "--uncertain-band", "0.05", "0.95", "--uncertain-floor", "0"]
+
 # name -> (script, flags added to its `learning` preset: the benchmark's recipe, written in the script)
 ALGORITHMS = {
     "grpo": ("adca_grpo.py", ["--no-attribution"]),
     "adca_oracle": ("adca_grpo.py", []),
     "gigpo": ("gigpo.py", []),
     "ppo": ("ppo.py", []),  # a linear value head on the policy's trunk, turn-level GAE
-    # --state-selection uncertain, the default: endpoints valued below 0.05 left out, draws weighted with floor 0.05;
-    # in the long setting, since 2026-12-02, the preset's --state-selection outcome at lr 3e-4: rows there named tempo*
-    # without @LR measured before then ran at 1e-3 (and `tempo` with the uncertain store)
+    # --state-selection outcome, the default since 2026-12-02 (before: uncertain; the variants below without their
+    # own --state-selection ran with the default of their day); in the long setting at lr 3e-4 (the preset's): rows
+    # there named tempo* without @LR measured before then ran at 1e-3
     "tempo": ("tempo.py", []),
-    # the default until 2026-12-02: every endpoint stored (the rows named `tempo` measured before then are this rule)
-    "tempo_floor": ("tempo.py", ["--uncertain-band", "0", "1"]),
+    # --state-selection uncertain: endpoints valued below 0.05 left out, draws weighted with floor 0.05 (the default
+    # from the lower edge's day until outcome's)
+    "tempo_uncertain": ("tempo.py", ["--state-selection", "uncertain"]),
+    # uncertain with every endpoint stored (the default until the lower edge: the rows named `tempo` measured before)
+    "tempo_floor": ("tempo.py", ["--state-selection", "uncertain", "--uncertain-band", "0", "1"]),
     # uncertain with a store filter: endpoints valued outside [0.05, 0.95] left out, no floor (the rule's first
     # default; it starves a critic that answers only 0 or 1)
-    "tempo_band": ("tempo.py", ["--uncertain-band", "0.05", "0.95", "--uncertain-floor", "0"]),
+    "tempo_band": ("tempo.py", UNCERTAIN_BAND),
     # the source's store: every endpoint kept, start states drawn uniformly
     "tempo_uniform": ("tempo.py", ["--state-selection", "uniform"]),
     # the critic rewarded by the squared error (best answer: the mean of its targets, not their median)
     "tempo_squared": ("tempo.py", ["--critic-error", "squared"]),
-    "tempo_band_squared": (  # the two above together
+    "tempo_band_squared": (  # tempo_band and tempo_squared together
         "tempo.py",
-        ["--uncertain-band", "0.05", "0.95", "--uncertain-floor", "0", "--critic-error", "squared"],
+        [*UNCERTAIN_BAND, "--critic-error", "squared"],
     ),
     # PPO clipping at lr 1e-4 against tempo.py's default IS loss at the shared lr (docs/does-it-learn.md); with one
     # optimizer step per update the clip never acts (the ratio is 1), so this is the IS loss at lr 1e-4
@@ -62,11 +68,11 @@ ALGORITHMS = {
     "tempo_batch_critic": ("tempo.py", ["--critic-baseline", "batch"]),
     "tempo_band_batch_critic": (
         "tempo.py",
-        ["--uncertain-band", "0.05", "0.95", "--uncertain-floor", "0", "--critic-baseline", "batch"],
+        [*UNCERTAIN_BAND, "--critic-baseline", "batch"],
     ),
     # the band's lower edge only: endpoints the critic calls hopeless (< 0.05) left out, the floor kept, so sure
-    # states (a 0/1 critic's 1s) are still drawn; the default since 2026-12-02 (measured under this name)
-    "tempo_lower_band": ("tempo.py", ["--uncertain-band", "0.05", "1.0"]),
+    # states (a 0/1 critic's 1s) are still drawn; the default from 2026-12-02 until outcome (measured under this name)
+    "tempo_lower_band": ("tempo.py", ["--state-selection", "uncertain", "--uncertain-band", "0.05", "1.0"]),
     # the default with the critic left as phase 1 trained it (no TD critic datums): it kept its ranking of held-out
     # states, which TD training lowered; success no better (docs/does-it-learn.md)
     "tempo_no_td_critic": ("tempo.py", ["--no-td-critic"]),
@@ -76,7 +82,7 @@ ALGORITHMS = {
     # the source's store, half of each TD update's starts fresh games
     "tempo_fresh": ("tempo.py", ["--state-selection", "uniform", "--fresh-state-share", "0.5"]),
     # the store by what the branches did: a start whose group had a gradient is drawn again and its endpoints stored;
-    # a degenerate group's lineage ends (the critic's values play no part)
+    # a degenerate group's lineage ends (the critic's values play no part); the default since 2026-12-02
     "tempo_outcome": ("tempo.py", ["--state-selection", "outcome"]),
     # each endpoint valued by the mean of 8 critic samples (the benchmark's preset: 1): less of the critic's sampling
     # noise in the branches' returns
