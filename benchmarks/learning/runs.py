@@ -84,6 +84,9 @@ ALGORITHMS = {
     # the store by what the branches did: a start whose group had a gradient is drawn again and its endpoints stored;
     # a degenerate group's lineage ends (the critic's values play no part); the default since 2026-12-02
     "tempo_outcome": ("tempo.py", ["--state-selection", "outcome"]),
+    # 8 branch groups per TD update (the preset's 4): run with half the TD updates (--tempo-td-updates 11), about the
+    # same generated tokens, each step's gradient from twice the tokens (the lr diagnosis: small batches, noisy steps)
+    "tempo_wide": ("tempo.py", ["--groups-per-update", "8"]),
     # each endpoint valued by the mean of 8 critic samples (the benchmark's preset: 1): less of the critic's sampling
     # noise in the branches' returns
     "tempo_endpoint8": ("tempo.py", ["--endpoint-samples", "8"]),
