@@ -24,6 +24,7 @@ import ctypes
 import dataclasses
 import functools
 import hashlib
+import importlib.metadata
 import io
 import json
 import math
@@ -31,6 +32,7 @@ import os
 import random
 import re
 import shutil
+import subprocess
 import sys
 import time
 import typing
@@ -2572,8 +2574,31 @@ def drop_rows_after(path: Path, update: int) -> None:
     os.replace(tmp, path)
 
 
+def provenance() -> dict:
+    """What produced a run, besides its flags (config.json): the code's commit and whether the tree had uncommitted
+    changes to tracked files, the command line, the Python and every installed package's version, the time."""
+
+    def git(*command: str) -> str | None:
+        try:
+            done = subprocess.run(["git", *command], cwd=Path(__file__).parent, capture_output=True, text=True)
+        except OSError:  # no git on the machine
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    status = git("status", "--porcelain", "--untracked-files=no")
+    return {
+        "commit": git("rev-parse", "HEAD"),
+        "dirty": None if status is None else bool(status),
+        "argv": sys.argv,
+        "python": sys.version.split()[0],
+        "packages": {d.metadata["Name"]: d.version for d in importlib.metadata.distributions() if d.metadata["Name"]},
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
 class RunLogger:
-    """config.json, metrics.jsonl (one line per update), samples.jsonl, optional W&B (metrics and a table of
+    """config.json, provenance.jsonl (a line per start: commit, packages), metrics.jsonl (one line per update),
+    samples.jsonl, optional W&B (metrics and a table of
     sample trajectories per update), and tqdm bars over updates and over the turns of the current rollout.
     Only the main process writes."""
 
@@ -2591,6 +2616,8 @@ class RunLogger:
             for name in ("metrics.jsonl", "samples.jsonl"):
                 drop_rows_after(self.run_dir / name, done)
         (self.run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
+        with open(self.run_dir / "provenance.jsonl", "a") as f:  # one line per start or resume of the run
+            f.write(json.dumps({"updates_done": done, **provenance()}) + "\n")
         self.metrics_file = open(self.run_dir / "metrics.jsonl", "a")
         self.samples_file = open(self.run_dir / "samples.jsonl", "a")
         if args.track:

@@ -9,7 +9,7 @@ R_n = segment reward + V(endpoint), trains the critic towards mean(R) from the s
 endpoints back into a FIFO state store so later updates start from them. --state-selection outcome (the default)
 keeps the lineages whose branches disagreed (a start state whose group had a gradient goes back with its
 endpoints); uncertain stores only endpoints whose outcome the critic calls uncertain and draws start states where N
-branches are most likely to disagree; uniform is the source's rule (every endpoint stored, drawn uniformly).
+branches are most likely to disagree; source is the source's rule (every endpoint stored, drawn uniformly and kept).
 
 Phase 1 (value warm-up) trains the critic alone on Monte-Carlo returns of full games.
 Phase 2 (TD loop) trains actor and critic together, in one forward/backward and one optimizer step.
@@ -91,7 +91,10 @@ class Args:
     critic_samples: int = 4
     """K: critic samples on every start state (their rewards are centred within the K, by default)"""
     endpoint_samples: int = 2
-    """critic samples averaged into the value of one branch endpoint"""
+    """critic samples averaged into the value of one branch endpoint (--endpoint-values rollout: continuations)"""
+    endpoint_values: Literal["critic", "rollout"] = "critic"
+    """what values a branch endpoint: the critic (the method) or, an ablation, the mean return of --endpoint-samples
+    continuations of the episode from it by the current policy (never trained, tokens in td/oracle_generated_tokens)"""
     groups_per_update: int = 4
     """start states per TD update (per process), one group of N branches each"""
     fresh_state_share: float = 0.0
@@ -105,12 +108,13 @@ class Args:
     """phase 2: TD updates (actor + critic)"""
     state_store_capacity: int = 256
     """FIFO capacity of the store of macro-boundary states"""
-    state_selection: Literal["outcome", "uncertain", "uniform"] = "outcome"
+    state_selection: Literal["outcome", "uncertain", "uniform", "source"] = "outcome"
     """outcome: drawn uniformly, but what the branches did decides, not the critic: a start state whose group had a
     gradient goes back into the store with its endpoints, a degenerate group's start and endpoints are dropped;
     uncertain: draw start states with probability 1 - V^N - (1 - V)^N + --uncertain-floor (the chance that N branches
-    from a state the critic values V disagree) among the endpoints valued inside --uncertain-band; uniform: the
-    source's rule, every endpoint stored and drawn uniformly (at long horizon the store fills with dead ends)"""
+    from a state the critic values V disagree) among the endpoints valued inside --uncertain-band; uniform: every
+    endpoint whose critic prompt fits stored, drawn uniformly, a drawn state removed; source: 09-tempo's store, every
+    endpoint stored, drawn uniformly, drawn states kept (they leave only by FIFO eviction)"""
     uncertain_band: tuple[float, float] = (0.05, 1.0)
     """[lo, hi]: with --state-selection uncertain, endpoints valued outside it are not stored (default: those the
     critic calls hopeless, so the store does not fill with dead ends; 0 1 keeps every endpoint)"""
@@ -385,10 +389,11 @@ def critic_prompt(
 
 class StateStore:
     """FIFO store of macro-boundary states, each with the critic's value V of it; the oldest fall out beyond
-    `capacity`. selection "uniform" (the source) and "outcome": every state added is kept and drawn uniformly (under
+    `capacity`. selection "source", "uniform" and "outcome": every state added is kept and drawn uniformly (under
     "outcome" td_update adds only the starts and endpoints of groups with a gradient). "uncertain": a state valued
     outside `band` is not kept, and states are drawn with probability proportional to 1 - V^N - (1 - V)^N + `floor`:
-    the chance that N branches from a state won with probability V do not all end alike (a group with a gradient)."""
+    the chance that N branches from a state won with probability V do not all end alike (a group with a gradient).
+    A drawn state leaves the store, except under "source" (09-tempo's states.py: drawn states stay)."""
 
     def __init__(self, capacity: int, selection: str = "uniform", band=(0.0, 1.0), group_size: int = 4, floor=0.0):
         self.entries: deque[tuple[common.SavedState, float]] = deque(maxlen=capacity)
@@ -409,8 +414,10 @@ class StateStore:
         return 1.0 if self.selection != "uncertain" else 1.0 - value**n - (1.0 - value) ** n + self.floor
 
     def take(self, n: int, rng: random.Random) -> list[tuple[common.SavedState, float]]:
-        """Up to n (state, value) pairs, drawn by the rule's weights without replacement; taken states leave the
-        store."""
+        """Up to n distinct (state, value) pairs, drawn by the rule's weights without replacement; taken states leave
+        the store, except under "source"."""
+        if self.selection == "source":
+            return [self.entries[i] for i in rng.sample(range(len(self.entries)), min(n, len(self.entries)))]
         pool, taken = list(self.entries), []
         for _ in range(min(n, len(pool))):
             i = rng.choices(range(len(pool)), [self.weight(value) for _, value in pool])[0]
@@ -685,13 +692,15 @@ def td_update(rt: Runtime) -> tuple[dict, list[dict]]:
     t_update = time.time()
 
     # ---- Phase 2, step 7: endpoints with room for another turn (and a critic prompt within budget, so they can be
-    # valued again) go back into the store, with their value, if --state-selection keeps them; under outcome only a
-    # group with a gradient continues: its endpoints, and its start state (valued G) drawn again
+    # valued again; under source any) go back into the store, with their value, if --state-selection keeps them;
+    # under outcome only a group with a gradient continues: its endpoints, and its start state (valued G) drawn again
     gradient = [not is_degenerate(advantages) for _, _, advantages in signals]
-    outcome = args.state_selection == "outcome"
+    outcome, source = args.state_selection == "outcome", args.state_selection == "source"
     endpoints = zip(critic.endpoints, critic.endpoint_prompts, critic.endpoint_values, critic.endpoint_groups)
     candidates = [
-        (t, v) for t, p, v, i in endpoints if p is not None and has_room(t, args) and (gradient[i] or not outcome)
+        (t, v)
+        for t, p, v, i in endpoints
+        if (p is not None or source) and has_room(t, args) and (gradient[i] or not outcome)
     ]
     stored = sum(rt.store.add(traj.saved_state(), value) for traj, value in candidates)
     kept_starts = [(s, g) for s, (_, g, _), kept in zip(live_starts, signals, gradient) if kept] if outcome else []
@@ -711,6 +720,7 @@ def td_update(rt: Runtime) -> tuple[dict, list[dict]]:
         "td/new_endpoints": common.Count(stored),
         "td/endpoints_left_out": common.Count(len(critic.endpoints) - stored),
         "td/starts_kept": common.Count(len(kept_starts)),
+        "td/oracle_generated_tokens": common.Count(critic.oracle_tokens),
         "td/restore_failures": common.Count(len(starts) - len(live_starts)),
         "td/macro_index_mean": statistics.fmean(s.round_index / args.macro_rounds for s in starts),
         **({"td/start_value_mean": statistics.fmean(value for _, value in taken)} if taken else {}),
@@ -736,23 +746,31 @@ class CriticPass:
     start_replies: list[list[common.Completion]]  # [] when the start state's prompt is over budget (or --no-td-critic)
     endpoint_failures: int  # endpoint samples that did not parse
     generated_tokens: int  # of all critic replies (the actor's are rollout/generated_tokens)
+    oracle_tokens: int  # generated by --endpoint-values rollout's continuations (never trained)
 
 
 def critic_pass(rt: Runtime, starts: Sequence[common.SavedState], groups) -> CriticPass:
     """A branch stopped at the macro boundary is valued (also one with no token room for another turn: truncated,
     not ended); every other branch is terminal."""
     E, K = rt.args.endpoint_samples, rt.args.critic_samples if rt.args.td_critic else 0  # K: only to train it
+    oracle = rt.args.endpoint_values == "rollout"
     indexed = [(i, t) for i, group in enumerate(groups) for t in group if t.stop_reason == common.STOP_HORIZON]
     endpoints = [t for _, t in indexed]
     endpoint_prompts = [rt.critic_prompt(t.start.game_file, t.start.task, t.messages, t.round_index) for t in endpoints]
     start_prompts = [rt.critic_prompt(s.game_file, s.task, s.messages, s.round_index) for s in starts]
-    replies = sample_critic(rt, [(p, E) for p in endpoint_prompts] + [(p, K) for p in start_prompts])
+    replies = sample_critic(rt, [(p, 0 if oracle else E) for p in endpoint_prompts] + [(p, K) for p in start_prompts])
     parsed = [[v for v in (parse_value(r.text) for r in group) if v is not None] for group in replies[: len(endpoints)]]
     failures = sum(len(group) - len(values) for group, values in zip(replies, parsed))
     endpoint_values = [statistics.fmean(values) if values else 0.0 for values in parsed]
+    continuations = []
+    if oracle:  # the ablation: each endpoint's mean Monte-Carlo return under the current policy (a failed restore: 0)
+        turns = rt.args.max_turns
+        continuations = rt.play([t.saved_state() for t in endpoints], E, horizon=turns, max_turns=turns)
+        endpoint_values = [statistics.fmean(t.reward for t in group) if group else 0.0 for group in continuations]
     values = iter(endpoint_values)
     branch_values = [[next(values) if t.stop_reason == common.STOP_HORIZON else None for t in group] for group in groups]
     generated = sum(len(r.tokens) for group in replies for r in group)
+    oracle_tokens = sum(sum(len(s.completion_tokens) for s in t.steps) for group in continuations for t in group)
     return CriticPass(
         branch_values,
         endpoints,
@@ -763,6 +781,7 @@ def critic_pass(rt: Runtime, starts: Sequence[common.SavedState], groups) -> Cri
         replies[len(endpoints) :],
         failures,
         generated,
+        oracle_tokens,
     )
 
 
@@ -884,7 +903,7 @@ PRESETS = {  # name -> (what it is, its values); `python tempo.py NAME --flags`
         ),
     ),
     # agentic-rl-lab/09-tempo, the reproduction's defaults: Qwen3.5-4B, H = 10, T = 50, N = K = 4, 2 endpoint samples,
-    # 4 warm-up + 40 TD updates, LoRA 32, lr 1e-6, AdamW betas 0.9 / 0.95
+    # 4 warm-up + 40 TD updates, LoRA 32, lr 1e-6, AdamW betas 0.9 / 0.95, its state store (docs/tempo.md)
     "source": (
         "09-tempo's settings (agentic-rl-lab): Qwen3.5-4B, H 10, T 50, N = K = 4, 2 endpoint samples, 4 + 40 updates",
         Args(
@@ -900,6 +919,7 @@ PRESETS = {  # name -> (what it is, its values); `python tempo.py NAME --flags`
             lora_alpha=64,
             learning_rate=1e-6,
             adam_betas=(0.9, 0.95),
+            state_selection="source",
         ),
     ),
 }

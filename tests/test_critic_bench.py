@@ -218,7 +218,7 @@ def test_learning_benchmark_tables_the_critic_per_evaluation_point():
             for seed, r in ((1, 0.2), (2, 0.4))
         },
     }
-    lines = compare.critic_summary(results, compare.Args(algorithms=("grpo", "tempo"))).splitlines()
+    lines = compare.critic_summary(results, ["grpo", "tempo"]).splitlines()
     assert lines[2].startswith("| (warm start) | 0 | 1 | 32 | 0.20 (0.30) | +0.00 / 0.500 |")
     assert lines[3].startswith("| tempo | 6 | 2 | 32 | 0.20 (0.30) | +0.30 / 0.300 |")
     assert "n/a / 0.300" in lines[3] and len(lines) == 4  # the constant has no r

@@ -232,3 +232,11 @@ def test_relative_links_exist():
 
 def test_readme_is_short():
     assert len((ROOT / "README.md").read_text().splitlines()) <= 200
+
+
+def test_the_learning_tables_in_the_docs_are_what_the_committed_results_give():
+    """Every table between `<!-- table: NAME -->` markers equals what `python -m benchmarks.learning.tables` prints
+    from benchmarks/results (run it to rewrite them)."""
+    from benchmarks.learning import tables
+
+    assert tables.regenerate(check=True) == [], "stale tables: run `python -m benchmarks.learning.tables`"

@@ -252,6 +252,21 @@ def test_state_store_is_fifo_and_take_removes(all_games, protocol):
     assert len(store.take(5, random.Random(0))) == 1 and len(store) == 0
 
 
+def test_source_store_is_fifo_draws_distinct_states_uniformly_and_keeps_them(all_games, protocol):
+    """--state-selection source, 09-tempo's states.py: FIFO eviction at capacity, every state added kept whatever its
+    value, n distinct states drawn uniformly, drawn states stay in the store."""
+    states = [common.game_start(all_games[0], protocol, seed=i) for i in range(5)]
+    store = tempo.StateStore(capacity=3, selection="source")
+    assert all(store.add(state, value) for state, value in zip(states, (0.0, 1.0, 0.0, 0.5, 1.0)))
+    assert [s.seed for s, _ in store.entries] == [2, 3, 4]  # the two oldest fell out
+    rng = random.Random(0)
+    taken = store.take(2, rng)
+    assert len({s.seed for s, _ in taken}) == 2 and [s.seed for s, _ in store.entries] == [2, 3, 4]
+    assert sorted(s.seed for s, _ in store.take(5, rng)) == [2, 3, 4] and len(store) == 3  # all, each once
+    first = [store.take(1, rng)[0][0].seed for _ in range(3000)]
+    assert all(first.count(seed) / 3000 == pytest.approx(1 / 3, abs=0.03) for seed in (2, 3, 4))
+
+
 def test_uncertain_store_keeps_states_inside_the_band_and_draws_where_branches_disagree(all_games, protocol):
     state = common.game_start(all_games[0], protocol)
     store = tempo.StateStore(capacity=8, selection="uncertain", band=(0.05, 0.95), group_size=4)
@@ -752,6 +767,55 @@ def test_outcome_store_keeps_only_the_lineages_whose_branches_disagreed(runtime,
     assert not set(stored) & ({key(g[0].start) for g in degenerate} | set(endpoints(degenerate)))
     assert metrics["td/starts_kept"] == len(kept) and metrics["td/new_endpoints"] == len(endpoints(with_gradient))
     assert metrics["td/endpoints_left_out"] == len(endpoints(degenerate))
+
+
+def test_source_store_keeps_the_drawn_state_and_stores_every_endpoint_with_room(runtime, monkeypatch):
+    """A TD update under --state-selection source: the drawn start state stays in the store, and every branch that
+    stopped at the macro boundary with room for another turn is stored, whatever its group's gradient or value."""
+    rt = runtime(state_selection="source", groups_per_update=2, group_size=3, max_turns=6)
+    rt.sample_fn, _ = scored_script(rt)
+    budgets = dict(horizon=2, max_turns=6, max_turn_tokens=24, max_trajectory_tokens=4096)
+    (segment,) = common.rollout([rt.next_game_start()], 1, rt.sample_fn, rt.protocol, **budgets)
+    drawn = segment[0].saved_state()
+    rt.store.add(drawn, 0.5)  # at turn 2 of 6: its branches stop at the next boundary too
+    rollouts, _ = record_rollouts_and_updates(rt, monkeypatch)
+    metrics, _ = tempo.td_update(rt)
+    (groups,) = rollouts
+    endpoints = [t for g in groups for t in g if t.stop_reason == common.STOP_HORIZON and tempo.has_room(t, rt.args)]
+    assert endpoints and metrics["td/new_endpoints"] == len(endpoints)
+
+    def key(state):
+        return json.dumps(state.to_json(), sort_keys=True)
+
+    assert [key(s) for s, _ in rt.store.entries] == [key(drawn)] + [key(t.saved_state()) for t in endpoints]
+
+
+def test_rollout_endpoint_values_are_the_mean_return_of_continuations_and_never_trained(runtime, monkeypatch):
+    """--endpoint-values rollout (the critic's ablation): each endpoint's value is the mean return of E continuations
+    of its episode to T by the current policy; the critic is sampled on start states only, the continuations' tokens
+    are counted in td/oracle_generated_tokens and train nothing."""
+    rt = runtime(endpoint_values="rollout", endpoint_samples=2, groups_per_update=2, group_size=3, max_turns=6)
+    rt.sample_fn, seen = scored_script(rt)
+    rollouts, updates = record_rollouts_and_updates(rt, monkeypatch)
+    metrics, _ = tempo.td_update(rt)
+    groups, continuations = rollouts
+    endpoints = [t for g in groups for t in g if t.stop_reason == common.STOP_HORIZON]
+    assert len(continuations) == len(endpoints) > 0 and all(len(c) == 2 for c in continuations)
+    assert all(t.start.round_index == 2 and t.stop_reason != common.STOP_HORIZON for c in continuations for t in c)
+    values = iter(statistics.fmean(t.reward for t in c) for c in continuations)
+    starts = {critic_text(rt, g[0].start, g[0].start.messages, 0)[1] for g in groups}
+    assert set(seen["critic"]) == starts  # no endpoint sent to the critic
+    trained = {tuple(d.tokens): trained_advantages(d) for d in updates[0]}
+    for group in groups:
+        returns = [t.reward + (next(values) if t.stop_reason == common.STOP_HORIZON else 0.0) for t in group]
+        for traj, ret in zip(group, returns):
+            if tuple(traj.sequence()[0]) in trained:
+                n = sum(len(step.completion_tokens) for step in traj.steps)
+                assert trained[tuple(traj.sequence()[0])] == pytest.approx([ret - statistics.fmean(returns)] * n)
+    continued = {tuple(t.sequence()[0]) for c in continuations for t in c}
+    assert not continued & set(trained)
+    generated = sum(len(s.completion_tokens) for c in continuations for t in c for s in t.steps)
+    assert metrics["td/oracle_generated_tokens"] == generated > 0
 
 
 def test_no_td_critic_values_endpoints_and_trains_only_the_actor(runtime, monkeypatch):

@@ -26,6 +26,7 @@ Every stage is cached under --cache, so a killed run picks up where it stopped (
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -34,7 +35,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Sequence
 
 import tyro
 
@@ -42,7 +43,7 @@ import common
 import offline
 from benchmarks.learning import agents, critic
 from benchmarks.learning.runs import (
-    ALGORITHMS,
+    MAIN_ARMS,
     SAVE_EVERY,
     SETTINGS,
     UPDATES,
@@ -65,8 +66,9 @@ class Args:
     walkthroughs, T 20, TEMPO's H 5 (tiny-agent-long); each script's `learning` / `learning-long` preset"""
     quick: bool = False
     """one seed, --quick-updates updates: the pipeline end to end in minutes"""
-    algorithms: tuple[str, ...] = tuple(ALGORITHMS)
-    """which of ALGORITHMS to run (grpo, adca_oracle, gigpo, tempo, tempo_ppo, ...); NAME@LR: at lr LR"""
+    algorithms: tuple[str, ...] = ()
+    """which of ALGORITHMS to run (grpo, adca_oracle, gigpo, tempo, tempo_ppo, ...); NAME@LR: at lr LR; none given:
+    MAIN_ARMS when running, every arm in results.json with --report-only"""
     seeds: tuple[int, ...] = (1, 2, 3)
     """seeds per algorithm"""
     updates: int = UPDATES
@@ -149,63 +151,156 @@ def success(point: dict, mode: str = "sampled") -> float:
 
 
 # =============================================================================================
-# Stage 6: table and plots
+# Stage 6: statistics, tables and plots
 # =============================================================================================
-def mean_and_variance(values: list[float], episodes: int) -> tuple[float, float]:
-    """The mean success over seeds and the variance of that mean: the seed-to-seed spread or, if larger, the binomial
-    noise of `episodes` episodes per seed."""
-    mean = statistics.fmean(values)
-    spread = statistics.variance(values) / len(values) if len(values) > 1 else 0.0
-    return mean, max(spread, mean * (1 - mean) / (episodes * len(values)))
+def difference_interval(a: Sequence[float], b: Sequence[float], level: float = 0.95) -> tuple[float, float, float]:
+    """(mean(a) - mean(b), low, high): the difference of two arms' means over their per-seed values, with Welch's t
+    interval at `level` (Welch-Satterthwaite degrees of freedom; scipy's ttest_ind with equal_var=False)."""
+    from scipy import stats
+
+    if len(a) < 2 or len(b) < 2:
+        raise ValueError(f"difference_interval needs >= 2 values per arm, got {len(a)} and {len(b)}")
+    interval = stats.ttest_ind(a, b, equal_var=False).confidence_interval(level)
+    return statistics.fmean(a) - statistics.fmean(b), float(interval.low), float(interval.high)
 
 
-def interval(difference: float, variance: float) -> str:
-    half = 1.96 * math.sqrt(variance)
-    return f"{difference:+.2f} [{difference - half:+.2f}, {difference + half:+.2f}]"
+def change_interval(values: Sequence[float], start: float, level: float = 0.95) -> tuple[float, float, float]:
+    """(mean(values) - start, low, high): one-sample t interval of the per-seed changes from the shared start (whose
+    own evaluation noise is common to every arm, so it is not in the interval)."""
+    from scipy import stats
+
+    if len(values) < 2:
+        raise ValueError(f"change_interval needs >= 2 values, got {len(values)}")
+    interval = stats.ttest_1samp([v - start for v in values], 0.0).confidence_interval(level)
+    return statistics.fmean(values) - start, float(interval.low), float(interval.high)
 
 
-def summarise(results: dict, args: Args) -> str:
-    """Per algorithm: start, midpoint (the evaluation at half the run's updates) and end sampled success, the change
-    and the difference from GRPO's end with 95% intervals (normal approximation), greedy success, tokens."""
+def detectable_difference(n_a: int, n_b: int, sd: float, level: float = 0.95, power: float = 0.8) -> float:
+    """The smallest true difference of means that a two-sided two-sample t-test at `level` finds with probability
+    `power`, for arms of n_a and n_b seeds whose values spread by `sd` (noncentral t)."""
+    from scipy import optimize, stats
+
+    if n_a < 2 or n_b < 2 or sd <= 0:
+        return math.nan
+    df, scale = n_a + n_b - 2, sd * math.sqrt(1 / n_a + 1 / n_b)
+    critical = stats.t.ppf(1 - (1 - level) / 2, df)
+
+    def achieved(delta: float) -> float:
+        return stats.nct.sf(critical, df, delta / scale) + stats.nct.sf(critical, df, -delta / scale)  # both tails
+
+    return optimize.brentq(lambda delta: achieved(delta) - power, 0.0, (critical + 8) * scale)  # power ~1 up there
+
+
+def pooled_sd(a: Sequence[float], b: Sequence[float]) -> float:
+    return math.sqrt(((len(a) - 1) * statistics.variance(a) + (len(b) - 1) * statistics.variance(b)) / (len(a) + len(b) - 2))
+
+
+def bracket(estimate: tuple[float, float, float]) -> str:
+    difference, low, high = estimate
+    return f"{difference:+.2f} [{low:+.2f}, {high:+.2f}]" if math.isfinite(low) else f"{difference:+.2f} [-]"
+
+
+def arm_runs(results: dict, name: str) -> list[dict]:
+    """The finished runs of arm `name` (evaluated past the start), by seed."""
+    runs = [r for r in results["runs"].values() if r["algorithm"] == name and len(r["points"]) > 1]
+    return sorted(runs, key=lambda r: r["seed"])
+
+
+def arms_in(results: dict) -> list[str]:
+    """Every arm with a finished run, GRPO first."""
+    names = sorted({r["algorithm"] for r in results["runs"].values() if len(r["points"]) > 1})
+    return sorted(names, key=lambda name: name != "grpo")
+
+
+def summarise(results: dict, arms: Sequence[str], reference: str = "grpo") -> str:
+    """Per arm: seeds n, start, midpoint (the evaluation at half the run's updates) and end sampled success, the change
+    with its one-sample t interval, the difference from the reference arm's end with Welch's t interval (95%) and the
+    smallest difference that test detects at 80% power, greedy success, tokens, and whether every run's provenance
+    is recorded."""
     start = results["start"]
-    s0, n0 = success(start), len(start["sampled"]) * start["episodes"]
-    arms = {}
-    for name in args.algorithms:
-        runs = [r for r in results["runs"].values() if r["algorithm"] == name and len(r["points"]) > 1]
-        if runs:
-            end = runs[0]["points"][-1]
-            arms[name] = (runs, mean_and_variance([success(r["points"][-1]) for r in runs], end_episodes(end)))
-    grpo = arms.get("grpo")
-    grpo_tokens = statistics.fmean(r["points"][-1]["tokens"] for r in grpo[0]) if grpo else None
+    s0 = success(start)
+    arms = {name: runs for name in arms if (runs := arm_runs(results, name))}
+    for name, runs in arms.items():
+        check_poolable(name, runs)
+    ref_runs = arms.get(reference)
+    ref_finals = [success(r["points"][-1]) for r in ref_runs] if ref_runs else []
+    ref_mean = statistics.fmean(ref_finals) if ref_finals else None
+    ref_tokens = statistics.fmean(r["points"][-1]["tokens"] for r in ref_runs) if ref_runs else None
     lines = [
-        "| algorithm | seeds | start (sampled) | mid (sampled) | end (sampled, mean ± std) | change [95% interval] | "
-        "end - GRPO's end [95% interval] | end greedy | actor tokens | actor + critic tokens | "
-        "tokens to reach GRPO's final level |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| arm | n (seeds) | start | mid | end (mean ± std) | change [95% t] | "
+        f"end - {reference} [95% Welch t] | detectable at 80% power | end greedy | actor tokens | actor + critic tokens | "
+        "tokens to reach its final level (% of its tokens) | provenance |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for name, (runs, (mean_end, variance)) in arms.items():
+    for name, runs in arms.items():
         finals = [success(r["points"][-1]) for r in runs]
         mids = [success(p) for r in runs for p in r["points"] if p.get("update") == r["points"][-1]["update"] // 2]
         tokens = statistics.fmean(r["points"][-1]["tokens"] for r in runs)
         critic_tokens = statistics.fmean(critic_tokens_until(r, r["points"][-1].get("update", 0)) for r in runs)
-        reach = vs_grpo = "-"
-        if grpo:
-            if grpo[1][0] <= s0:  # every run starts at GRPO's final level: nothing to reach
-                reach = "- (GRPO ended at or below the start)"
+        mean_end = statistics.fmean(finals)
+        change = bracket(change_interval(finals, s0)) if len(finals) > 1 else f"{mean_end - s0:+.2f}"
+        reach = vs_reference = detectable = "-"
+        if ref_runs:
+            if ref_mean <= s0:  # every run starts at the reference's final level: nothing to reach
+                reach = f"- ({reference} ended at or below the start)"
             else:
-                hit = next((t for t, s, _ in mean_curve(runs) if s >= grpo[1][0]), None)
-                reach = f"{hit:,.0f} ({hit / grpo_tokens:.0%} of GRPO's)" if hit is not None else "not reached"
-            if name != "grpo":
-                vs_grpo = interval(mean_end - grpo[1][0], variance + grpo[1][1])
+                hit = next((t for t, m, _ in mean_curve(runs) if m >= ref_mean), None)
+                reach = f"{hit:,.0f} ({hit / ref_tokens:.0%})" if hit is not None else "not reached"
+            if name != reference and len(finals) > 1 and len(ref_finals) > 1:
+                vs_reference = bracket(difference_interval(finals, ref_finals))
+                detectable = f"{detectable_difference(len(finals), len(ref_finals), pooled_sd(finals, ref_finals)):.2f}"
         std = statistics.stdev(finals) if len(finals) > 1 else 0.0
         mid = f"{statistics.fmean(mids):.2f}" if len(mids) == len(runs) else "-"
         greedy = statistics.fmean(success(r["points"][-1], "greedy") for r in runs)
+        recorded = sum(bool(r.get("provenance")) for r in runs)
         lines.append(
-            f"| {name} | {len(runs)} | {s0:.2f} | {mid} | {mean_end:.2f} ± {std:.2f} | "
-            f"{interval(mean_end - s0, variance + s0 * (1 - s0) / n0)} | {vs_grpo} | {greedy:.2f} | {tokens:,.0f} | "
-            f"{tokens + critic_tokens:,.0f} | {reach} |"
+            f"| {name} | {len(runs)} | {s0:.2f} | {mid} | {mean_end:.2f} ± {std:.2f} | {change} | {vs_reference} | "
+            f"{detectable} | {greedy:.2f} | {tokens:,.0f} | {tokens + critic_tokens:,.0f} | {reach} | "
+            f"{'recorded' if recorded == len(runs) else f'{len(runs) - recorded} of {len(runs)} runs lack it'} |"
         )
     return "\n".join(lines) + "\n"
+
+
+# Fields of a run's config.json that name the run, not what it trains: runs of one arm may differ only in these
+RUN_IDENTITY_FIELDS = ("seed", "exp_name", "output_dir", "resume", "threads")
+
+
+def check_poolable(name: str, runs: Sequence[dict]) -> None:
+    """Refuse to pool runs under one arm name whose recorded flags differ beyond the run's identity (the seed, its
+    names and folders), or that started from different warm starts; runs without provenance are not checked (the
+    table says they lack it)."""
+    recorded = [r for r in runs if r.get("provenance")]
+    for field in ("config", "warm_start_sha256"):
+        values = {}
+        for r in recorded:
+            value = r["provenance"][field]
+            if field == "config":
+                value = {k: v for k, v in value.items() if k not in RUN_IDENTITY_FIELDS}
+            values.setdefault(json.dumps(value, sort_keys=True), []).append(r["seed"])
+        if len(values) > 1:
+            configs = [json.loads(v) for v in values]
+            differing = sorted({k for c in configs for k in c if any(c.get(k) != o.get(k) for o in configs)}) if field == "config" else [field]
+            raise ValueError(
+                f"arm {name!r}: its runs differ beyond the seed in {differing} (seeds by value: {list(values.values())});"
+                " give them different arm names"
+            )
+
+
+def run_provenance(run: Path, warm_sha256: str) -> dict:
+    """What a results entry records of how its run was made: the flags the script resolved (config.json), each start
+    or resume of it (provenance.jsonl: commit, dirty tree, packages, command line) and the warm start's hash."""
+    sessions = [json.loads(line) for line in (run / "provenance.jsonl").read_text().splitlines() if line.strip()]
+    config = json.loads((run / "config.json").read_text())
+    return {"config": config, "sessions": sessions, "warm_start_sha256": warm_sha256}
+
+
+def directory_sha256(path: Path) -> str:
+    """One hash over a model directory's files (names and bytes, in name order)."""
+    digest = hashlib.sha256()
+    for file in sorted(p for p in path.rglob("*") if p.is_file()):
+        digest.update(str(file.relative_to(path)).encode())
+        digest.update(file.read_bytes())
+    return digest.hexdigest()
 
 
 def end_episodes(point: dict) -> int:
@@ -225,11 +320,11 @@ SIGNALS = (
 )  # fmt: skip
 
 
-def signals_summary(results: dict, args: Args, late: bool = False) -> str:
+def signals_summary(results: dict, arms: Sequence[str], late: bool = False) -> str:
     """The signals each algorithm's updates saw (late: only the second half of each run's updates, TEMPO's TD updates),
     and TEMPO's critic tokens apart from the actor's."""
     rows = []
-    for name in args.algorithms:
+    for name in arms:
         runs = [r for r in results["runs"].values() if r["algorithm"] == name and r.get("metrics")]
         if not runs:
             continue
@@ -249,7 +344,7 @@ def signals_summary(results: dict, args: Args, late: bool = False) -> str:
     return "\n".join([header, "|---|" + "---|" * (len(SIGNALS) + 1), *rows]) + "\n" if rows else ""
 
 
-def critic_summary(results: dict, args: Args) -> str:
+def critic_summary(results: dict, arms: Sequence[str]) -> str:
     """TEMPO's critic on the held-out states per evaluation point, means over seeds: r and MAE of each critic, and r
     of the warm start's generative critic, untrained, against the point's true V (what training the critic bought)."""
     critics = ("generative", "value_head", "constant", "nothing_count")
@@ -280,7 +375,7 @@ def critic_summary(results: dict, args: Args) -> str:
 
     if "critic" in results["start"]:
         lines.append(row("(warm start)", 0, [results["start"]]))
-    for name in (n for n in args.algorithms if n.startswith("tempo")):
+    for name in (n for n in arms if n.startswith("tempo")):
         runs = [r for r in results["runs"].values() if r["algorithm"] == name]
         updates = sorted({p["update"] for r in runs for p in r["points"] if "critic" in p and "update" in p})
         for update in updates:
@@ -289,10 +384,10 @@ def critic_summary(results: dict, args: Args) -> str:
     return "\n".join(lines) + "\n" if len(lines) > 2 else ""
 
 
-def value_head_summary(results: dict, args: Args) -> str:
+def value_head_summary(results: dict, arms: Sequence[str]) -> str:
     """PPO's value head on the held-out states per evaluation point, means over seeds: r (None: constant) and MAE."""
     lines = ["| algorithm | update | seeds | true V mean | value head r / MAE |", "|---|---|---|---|---|"]
-    for name in (n for n in args.algorithms if n.startswith("ppo")):
+    for name in (n for n in arms if n.startswith("ppo")):
         points = [p for r in results["runs"].values() if r["algorithm"] == name for p in r["points"]]
         for update in sorted({p["update"] for p in points if "value_head" in p}):
             scores = [p["value_head"] for p in points if p.get("update") == update and "value_head" in p]
@@ -320,7 +415,7 @@ def mean_curve(runs: list[dict], with_critic: bool = False) -> list[tuple[float,
     return curve
 
 
-def plot(results: dict, out: Path, args: Args) -> None:
+def plot(results: dict, out: Path, arms: Sequence[str]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -328,7 +423,7 @@ def plot(results: dict, out: Path, args: Args) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4))
     for ax, with_critic in zip(axes, (False, True)):
-        for name in args.algorithms:
+        for name in arms:
             runs = [r for r in results["runs"].values() if r["algorithm"] == name and r["points"]]
             if runs:
                 tokens, mean, std = zip(*mean_curve(runs, with_critic))
@@ -388,7 +483,7 @@ def main(args: Args) -> None:
     from tqdm import tqdm
 
     for name in args.algorithms:
-        algorithm(name)
+        algorithm(name)  # an unknown name fails before anything runs
     if args.eval_every < 1 or args.updates < 1:
         raise ValueError("--updates and --eval-every must be >= 1")
     mode = (
@@ -413,13 +508,24 @@ def main(args: Args) -> None:
     results = json.loads(results_file.read_text()) if results_file.is_file() else {"runs": {}}
     results["config"] = {**dataclasses.asdict(args), "games": game_files, "updates": updates, "seeds": list(seeds)}
 
-    jobs = [(name, seed) for seed in seeds for name in args.algorithms]
+    arms = args.algorithms or MAIN_ARMS
+    jobs = [(name, seed) for seed in seeds for name in arms]
     ours = {f"{name}-s{seed}" for name, seed in jobs}
 
+    warm_sha256 = directory_sha256(warm)
     if "start" not in results:
         log("evaluating the warm start")
-        results["start"] = {**evaluate(None, args.start_eval_episodes), "tokens": 0}
+        results["start"] = {**evaluate(None, args.start_eval_episodes), "tokens": 0, "warm_start_sha256": warm_sha256}
         save(results_file, results, ours)
+    elif results["start"].get("warm_start_sha256") is None:  # evaluated before hashes were kept: evaluate it again
+        log("the warm start's evaluation has no hash: evaluating it again to check it is the same warm start")
+        again = evaluate(None, results["start"]["episodes"])
+        if any(again[mode] != results["start"][mode] for mode in ("sampled", "greedy")):
+            raise ValueError(f"{warm}: its evaluation differs from {results_file}'s start; another warm start?")
+        results["start"]["warm_start_sha256"] = warm_sha256
+        save(results_file, results, ours)
+    elif results["start"]["warm_start_sha256"] != warm_sha256:
+        raise ValueError(f"{warm} is not the warm start {results_file} was made from (its sha256 differs)")
     log(f"warm start: sampled {success(results['start']):.2f}, greedy {success(results['start'], 'greedy'):.2f}")
     probe = None
 
@@ -434,7 +540,7 @@ def main(args: Args) -> None:
         wins = probe.warm_wins if checkpoint is None and warm == probe.warm else None
         return probe.evaluate(probe.runtime(warm, checkpoint), wins)
 
-    tempo_runs = any(name.startswith("tempo") for name in args.algorithms)
+    tempo_runs = any(name.startswith("tempo") for name in arms)
     if args.critic_eval and tempo_runs and "critic" not in results["start"]:
         log("the warm start's critic against true V")
         results["start"]["critic"] = critic_point(None)
@@ -454,6 +560,7 @@ def main(args: Args) -> None:
         metrics = metrics_rows(rdir)
         entry = results["runs"].setdefault(key, {"algorithm": name, "seed": seed, "points": []})
         entry["metrics"] = metrics
+        entry["provenance"] = run_provenance(rdir, warm_sha256)
         if not entry["points"]:
             entry["points"].append(results["start"])
         for checkpoint in sorted((rdir / "checkpoints").glob("update_*")):
@@ -480,22 +587,23 @@ def main(args: Args) -> None:
 
 
 def report(results: dict, out: Path, args: Args) -> None:
-    table = summarise(results, args)
-    signals = signals_summary(results, args)
+    arms = args.algorithms or arms_in(results)
+    table = summarise(results, arms)
+    signals = signals_summary(results, arms)
     if signals:
         table += "\nWhat the updates saw (means over updates, then seeds; TEMPO's actor/ and td/: TD updates):\n\n"
         table += signals
-        table += "\nThe same over the second half of each run's (TD) updates:\n\n" + signals_summary(results, args, True)
-    critic_table = critic_summary(results, args)
+        table += "\nThe same over the second half of each run's (TD) updates:\n\n" + signals_summary(results, arms, True)
+    critic_table = critic_summary(results, arms)
     if critic_table:
         table += (
             "\nTEMPO's critic against true V of held-out states (benchmarks/learning/critic.py), means over seeds:\n\n"
         )
         table += critic_table
-    value_table = value_head_summary(results, args)
+    value_table = value_head_summary(results, arms)
     if value_table:
         table += "\nPPO's value head against true V of the same held-out states, means over seeds:\n\n" + value_table
-    plot(results, out, args)
+    plot(results, out, arms)
     (out / "learning.md").write_text(table)
     print(table)
 

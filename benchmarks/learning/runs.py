@@ -43,8 +43,14 @@ ALGORITHMS = {
     # uncertain with a store filter: endpoints valued outside [0.05, 0.95] left out, no floor (the rule's first
     # default; it starves a critic that answers only 0 or 1)
     "tempo_band": ("tempo.py", UNCERTAIN_BAND),
-    # the source's store: every endpoint kept, start states drawn uniformly
+    # every endpoint whose critic prompt fits kept, drawn uniformly, a drawn state removed (called "the source's store"
+    # until 2026-12-03; the source keeps drawn states: tempo_source)
     "tempo_uniform": ("tempo.py", ["--state-selection", "uniform"]),
+    # 09-tempo's own store: FIFO of 256, every endpoint with room kept, distinct uniform draws, drawn states kept
+    "tempo_source": ("tempo.py", ["--state-selection", "source"]),
+    # the ablation of the critic: each endpoint valued by the mean return of one continuation of the episode by the
+    # current policy (never trained), the critic still trained on the start states as in the preset
+    "tempo_oracle": ("tempo.py", ["--endpoint-values", "rollout"]),
     # the critic rewarded by the squared error (best answer: the mean of its targets, not their median)
     "tempo_squared": ("tempo.py", ["--critic-error", "squared"]),
     "tempo_band_squared": (  # tempo_band and tempo_squared together
@@ -79,7 +85,7 @@ ALGORITHMS = {
     # the critic exactly as the warm start's SFT left it: no Monte-Carlo warm-up (its 0/1 targets taught "0") and no TD
     # critic datums, so its 3 warm-up updates become TD updates (the same 24 updates, more of them the actor's)
     "tempo_fixed_critic": ("tempo.py", ["--no-td-critic", "--warmup-updates", "0"]),
-    # the source's store, half of each TD update's starts fresh games
+    # tempo_uniform's store, half of each TD update's starts fresh games
     "tempo_fresh": ("tempo.py", ["--state-selection", "uniform", "--fresh-state-share", "0.5"]),
     # the store by what the branches did: a start whose group had a gradient is drawn again and its endpoints stored;
     # a degenerate group's lineage ends (the critic's values play no part); the default since 2026-12-02
@@ -91,6 +97,9 @@ ALGORITHMS = {
     # noise in the branches' returns
     "tempo_endpoint8": ("tempo.py", ["--endpoint-samples", "8"]),
 }
+
+
+MAIN_ARMS = ("grpo", "adca_oracle", "gigpo", "ppo", "tempo")  # compare.py's runs when --algorithms names none
 
 
 def algorithm(name: str) -> tuple[str, list[str]]:

@@ -1,0 +1,139 @@
+"""The docs' tables of the learning benchmark, regenerated from the committed results by one command:
+
+    python -m benchmarks.learning.tables            # rewrite every table in docs/ between its markers
+    python -m benchmarks.learning.tables --check    # rewrite nothing; exit 1 naming each table that differs
+
+A table sits in its page between `<!-- table: NAME -->` and `<!-- /table -->`. TABLES says which result folders it
+pools (an arm's runs from several folders, each seed once, all from one warm start), which arms under which labels,
+which seeds, and the arm the others are compared with (compare.summarise: n, Welch's t intervals, the smallest
+difference detectable at 80% power, provenance). tests/test_docs.py fails when a page's table is stale.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from benchmarks.learning import compare
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "benchmarks" / "results"
+E16 = "long-full-last-stage-critic-e16"  # the long setting's shared warm start (docs/does-it-learn.md)
+
+
+@dataclass(frozen=True)
+class Table:
+    page: str  # under ROOT
+    folders: tuple[str, ...]  # under benchmarks/results, each holding a results.json
+    arms: tuple[tuple[str, str], ...]  # (arm name in results.json, label in the table)
+    seeds: tuple[int, ...]
+    reference: str  # a label of `arms`
+
+
+TEMPO_PRESET = ("tempo_outcome@3e-4", "tempo (preset: outcome store, lr 3e-4)")
+TABLES = {
+    "long-tuning-seeds": Table(
+        "docs/does-it-learn.md",
+        (f"tempo-selection/{E16}",),
+        (
+            ("grpo", "grpo (lr 1e-3)"),
+            ("gigpo", "gigpo (lr 1e-3)"),
+            ("ppo", "ppo (lr 1e-3)"),
+            ("adca_oracle", "adca_oracle (lr 1e-3)"),
+            TEMPO_PRESET,
+            ("tempo_outcome@5e-4", "tempo, lr 5e-4"),
+            ("tempo_outcome", "tempo, lr 1e-3"),
+            ("tempo_wide@1e-3", "tempo, 8 groups per update, lr 1e-3"),
+        ),
+        (1, 2, 3, 4, 5),
+        "grpo (lr 1e-3)",
+    ),
+    "long-held-out-seeds": Table(
+        "docs/does-it-learn.md",
+        (f"tempo-held-out/{E16}",),
+        (("grpo", "grpo (lr 1e-3)"), TEMPO_PRESET, ("tempo_outcome@5e-4", "tempo, lr 5e-4")),
+        (6, 7, 8, 9, 10),
+        "grpo (lr 1e-3)",
+    ),
+    "long-pooled-seeds": Table(
+        "docs/does-it-learn.md",
+        (f"tempo-selection/{E16}", f"tempo-held-out/{E16}"),
+        (("grpo", "grpo (lr 1e-3)"), TEMPO_PRESET, ("tempo_outcome@5e-4", "tempo, lr 5e-4")),
+        tuple(range(1, 11)),
+        "grpo (lr 1e-3)",
+    ),
+    "short": Table(
+        "docs/does-it-learn.md",
+        ("learning-crn/full",),
+        (
+            ("grpo", "grpo"),
+            ("gigpo", "gigpo"),
+            ("ppo", "ppo"),
+            ("tempo_outcome", "tempo (outcome store, lr 1e-3)"),
+            ("tempo_outcome@3e-4", "tempo (outcome store, lr 3e-4)"),
+        ),
+        (1, 2, 3),
+        "grpo",
+    ),
+}
+
+
+def pooled(table: Table) -> dict:
+    """One results dict of the table's folders: their shared start and the runs of its arms and seeds, each run's
+    algorithm renamed to its label. Refuses folders evaluated from different starts and a seed found twice."""
+    labels = dict(table.arms)
+    merged: dict = {"runs": {}}
+    for folder in table.folders:
+        results = json.loads((RESULTS / folder / "results.json").read_text())
+        evaluation = {k: results["start"][k] for k in ("sampled", "greedy", "episodes")}
+        if any(merged.setdefault("start", results["start"])[k] != v for k, v in evaluation.items()):
+            raise ValueError(f"{folder}: its warm start's evaluation differs from {table.folders[0]}'s: not poolable")
+        for run in results["runs"].values():
+            if run["algorithm"] in labels and run["seed"] in table.seeds:
+                key = f"{labels[run['algorithm']]}-s{run['seed']}"
+                if key in merged["runs"]:
+                    raise ValueError(f"{key}: in two of {table.folders}: a seed is pooled once")
+                merged["runs"][key] = {**run, "algorithm": labels[run["algorithm"]]}
+    return merged
+
+
+def render(table: Table) -> str:
+    """The table's markdown: compare.summarise over the pooled runs, with where they come from."""
+    text = compare.summarise(pooled(table), [label for _, label in table.arms], table.reference)
+    folders = ", ".join(f"`benchmarks/results/{folder}/`" for folder in table.folders)
+    seeds = f"{table.seeds[0]}-{table.seeds[-1]}" if len(table.seeds) > 2 else ", ".join(map(str, table.seeds))
+    return f"{text}\n(seeds {seeds}; from {folders})\n"
+
+
+def marked(name: str) -> re.Pattern:
+    return re.compile(rf"(<!-- table: {re.escape(name)} -->\n)(.*?)(<!-- /table -->)", re.S)
+
+
+def regenerate(check: bool = False) -> list[str]:
+    """Rewrite each table in its page (check: only compare); returns the names of the tables that differed."""
+    stale = []
+    for name, table in TABLES.items():
+        page = ROOT / table.page
+        text = page.read_text()
+        match = marked(name).search(text)
+        if match is None:
+            raise ValueError(f"{table.page}: no <!-- table: {name} --> ... <!-- /table --> markers")
+        fresh = render(table)
+        if match.group(2) != fresh:
+            stale.append(name)
+            if not check:
+                page.write_text(text[: match.start(2)] + fresh + text[match.end(2) :])
+    return stale
+
+
+if __name__ == "__main__":
+    cli = argparse.ArgumentParser(description="regenerate the docs' learning-benchmark tables from benchmarks/results")
+    cli.add_argument("--check", action="store_true", help="write nothing; exit 1 if a table differs")
+    check = cli.parse_args().check
+    stale = regenerate(check)
+    print(f"{'stale' if check else 'rewritten'}: {', '.join(stale)}" if stale else "every table is up to date")
+    sys.exit(1 if check and stale else 0)
