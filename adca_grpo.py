@@ -1053,10 +1053,8 @@ PRESETS = {  # name -> (what it is, its values); `python adca_grpo.py NAME --fla
             prm_steps=12,
         ),
     ),
-    # modelscope/AgentEvolver config/agentevolver.yaml (commit bfa2ea1): train_batch_size 32, rollout n 8, multi_turn
-    # max_steps 30, temperature 0.9, lr 1e-6, use_kl_loss with kl_loss_coef 0.001, ppo_mini_batch_size 8 (32 / 8 = 4
-    # mini-batches), clip_ratio_high 0.28, adca_grpo: alpha 0.1, fix_base 0.2, prm_steps 100, skip_type none,
-    # orm_distribution last_step, equal_trajectory_weight true; model Qwen2.5-14B-Instruct
+    # modelscope/AgentEvolver@a5a8db8, config/agentevolver.yaml with its veRL fallback and the labeller's call: every
+    # value's file and line, and what is not expressible here, in docs/adca_grpo.md
     "source": (
         "AgentEvolver's config/agentevolver.yaml: 32 tasks x 8, 30 steps, T 0.9, KL loss 0.001, 4 mini-batches",
         Args(
@@ -1064,8 +1062,12 @@ PRESETS = {  # name -> (what it is, its values); `python adca_grpo.py NAME --fla
             groups_per_update=32,
             group_size=8,
             max_turns=30,
+            max_turn_tokens=4096,
+            max_trajectory_tokens=25580,
             temperature=0.9,
             learning_rate=1e-6,
+            adam_betas=(0.9, 0.999),
+            weight_decay=0.01,
             kl_loss_coef=0.001,
             mini_batches=4,
             clip_eps_high=0.28,
@@ -1075,6 +1077,9 @@ PRESETS = {  # name -> (what it is, its values); `python adca_grpo.py NAME --fla
             skip_type="none",
             orm_distribution="last_step",
             equal_trajectory_weight=True,
+            labeler_concurrency=20,
+            labeler_max_attempts=200,
+            labeler_max_new_tokens=8192,
         ),
     ),
 }

@@ -440,19 +440,22 @@ PRESETS = {  # name -> (what it is, its values); `python gigpo.py NAME --flags`
             max_turns=20,
         ),
     ),
-    # langfengQ/verl-agent, its ALFWorld GiGPO run as read 2026-12-01: Qwen2.5-1.5B-Instruct, train batch 16 x group
-    # 8, max 50 steps, lr 1e-6, low_var_kl loss 0.01, invalid-action penalty 0.1 against a win of 10 (0.01 here),
-    # gamma 0.95, step advantage weight 1, mean_std_norm
+    # langfengQ/verl-agent@796ed31, examples/gigpo_trainer/run_alfworld.sh with veRL's ppo_trainer.yaml: every value's
+    # file and line, and what is not expressible here, in docs/gigpo.md
     "source": (
         "verl-agent's ALFWorld GiGPO run: Qwen2.5-1.5B, 16 games x 8, 50 steps, KL loss 0.01, penalty 0.1 of 10",
         Args(
             model="Qwen/Qwen2.5-1.5B-Instruct",
+            num_updates=150,
             groups_per_update=16,
             group_size=8,
             max_turns=50,
             learning_rate=1e-6,
+            adam_betas=(0.9, 0.999),
+            weight_decay=0.01,
             kl_loss_coef=0.01,
             invalid_action_penalty=0.01,
+            anchor="observation",
             gamma=0.95,
             step_advantage_w=1.0,
             normalize_std=True,

@@ -453,18 +453,19 @@ PRESETS = {  # name -> (what it is, its values); `python ppo.py NAME --flags`
             max_turns=20,
         ),
     ),
-    # langfengQ/verl-agent, its ALFWorld PPO run (examples/ppo_trainer/run_alfworld.sh) as read 2026-12-01, with
-    # veRL's ppo_trainer.yaml defaults: adv_estimator gae (gamma 1, lam 1), train batch 128 x 1, max 50 steps, actor
-    # lr 1e-6 (critic: a separate model at 1e-5), low_var_kl loss 0.01, invalid-action penalty 0.1 of a win of 10,
-    # clip 0.2, dual clip 3, cliprange_value 0.5
+    # langfengQ/verl-agent@796ed31, examples/ppo_trainer/run_alfworld.sh with veRL's ppo_trainer.yaml: every value's
+    # file and line, and what is not expressible here, in docs/ppo.md
     "source": (
         "verl-agent's ALFWorld PPO run: 128 games x 1, 50 steps, lr 1e-6, GAE 1 / 1, KL loss 0.01, penalty 0.1 of 10",
         Args(
             model="Qwen/Qwen2.5-1.5B-Instruct",
+            num_updates=150,
             groups_per_update=128,
             group_size=1,
             max_turns=50,
             learning_rate=1e-6,
+            adam_betas=(0.9, 0.999),
+            weight_decay=0.01,
             gamma=1.0,
             lam=1.0,
             vf_clip=0.5,

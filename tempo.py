@@ -915,6 +915,7 @@ PRESETS = {  # name -> (what it is, its values); `python tempo.py NAME --flags`
             endpoint_samples=2,
             warmup_updates=4,
             td_updates=40,
+            max_trajectory_tokens=12000,  # rollout.py's MAX_SEQUENCE_TOKENS (docs/tempo.md)
             lora_rank=32,
             lora_alpha=64,
             learning_rate=1e-6,
