@@ -30,11 +30,13 @@ import io
 import json
 import math
 import os
+import queue
 import random
 import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
 import typing
 import zipfile
@@ -937,6 +939,7 @@ class Trajectory:
     steps: list[StepRecord] = dataclasses.field(default_factory=list)
     stop_reason: str | None = None
     sequence_end: int = 0  # end of the last completion
+    version: int = 0  # --async-steps: the weights (updates trained) whose adapter sampled every turn of it
 
     @property
     def round_index(self) -> int:
@@ -1448,13 +1451,15 @@ class ServerSampler:
     sampled ids come back with their logprobs (return_tokens_as_token_ids), so nothing is re-tokenised. The server
     samples with the current adapter, named after its weights: whenever the LoRA parameters have changed (an
     optimizer step, a resumed checkpoint) the main process saves them and loads them under the new name, unloading
-    the previous one; the other processes wait until the server lists the new name."""
+    the one loaded --async-steps + 1 names before (rollouts in flight may still use the others); the other processes
+    wait until the server lists the new name. pinned(name) samples with one loaded name whatever the weights are now."""
 
     def __init__(self, model, tokenizer, accelerator, args, greedy: bool = False):
         self.model, self.tokenizer, self.accelerator, self.args = model, tokenizer, accelerator, args
         self.url, self.greedy = args.sampler_url.rstrip("/"), greedy
         self.adapter_dir = Path(args.sampler_adapter_dir or Path(args.output_dir) / "sampler_adapters").resolve()
         self.adapter_name, self.weights_version, self.started = None, None, False
+        self.loaded: list[str] = []  # the names this sampler loaded and keeps, oldest first
         self.stops = stop_token_ids(tokenizer, accelerator.unwrap_model(model))
         served = self._served_models()
         base = next((c for c in served if c.get("parent") is None and serves(c, args.model)), None)
@@ -1478,7 +1483,31 @@ class ServerSampler:
                 file=sys.stderr,
             )
         self.sync_adapter()  # the first load proves that runtime LoRA loading works and that the rank fits
+        if args.async_steps and not greedy:
+            self._check_max_loras()
         self.started = True
+
+    def _check_max_loras(self) -> None:
+        """--async-steps: the episodes sampled ahead use an older adapter while evaluation and the self labeller use
+        the current one, so the server must run two adapters in one batch (--max-loras 2; with 1 they would take
+        turns). No route reports it; GET /metrics (the server's root) does, in vllm:lora_requests_info's max_lora
+        label, once a request has run: one one-token completion first."""
+        asyncio.run(self._complete_all([[self.stops[0]]], 1, self.adapter_name))
+        import httpx
+
+        response = httpx.get(self.url.removesuffix("/v1") + "/metrics", timeout=self.args.sampler_timeout_s)
+        found = re.findall(r'vllm:lora_requests_info\{[^}]*max_lora="(\d+)"', response.text)
+        flag = f"--async-steps {self.args.async_steps}"
+        if response.status_code != 200 or not found:
+            raise ValueError(
+                f"{flag}: the server's --max-loras is not in GET /metrics (vllm:lora_requests_info; was it started "
+                f"with --disable-log-stats?): start vllm serve with --max-loras 2 and its metrics on"
+            )
+        if int(found[0]) < 2:
+            raise ValueError(
+                f"{flag}: the server runs --max-loras {found[0]}: restart vllm serve with --max-loras 2 (the "
+                "episodes sampled ahead use an older adapter while evaluation and the self labeller use the current one)"
+            )
 
     def _control(self, method: str, path: str, body: dict | None = None):
         """One call to a control route. At start, no answer fails the run at once (start vLLM first); mid-run the
@@ -1528,9 +1557,11 @@ class ServerSampler:
             if name not in served:
                 policy.save_pretrained(str(self.adapter_dir / name))
                 self._load_adapter(name)
-            if self.adapter_name not in (None, name):
-                self._control("POST", "/unload_lora_adapter", {"lora_name": self.adapter_name})  # 404: already gone
-                shutil.rmtree(self.adapter_dir / self.adapter_name, ignore_errors=True)
+            self.loaded = [kept for kept in self.loaded if kept != name] + [name]
+            while len(self.loaded) > self.args.async_steps + 1:
+                old = self.loaded.pop(0)
+                self._control("POST", "/unload_lora_adapter", {"lora_name": old})  # 404: already gone
+                shutil.rmtree(self.adapter_dir / old, ignore_errors=True)
         else:
             self._wait_until_served(name)
         self.adapter_name, self.weights_version = name, version
@@ -1538,8 +1569,10 @@ class ServerSampler:
     def _load_adapter(self, name: str) -> None:
         path = self.adapter_dir / name
         response = self._control("POST", "/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
-        if response.status_code == 200:
-            return
+        if response.status_code == 200 or (
+            response.status_code == 400 and name in {card["id"] for card in self._served_models()}
+        ):
+            return  # (400: another process or thread loaded it first)
         message = error_message(response)
         if response.status_code == 404 and '"error"' not in response.text:  # FastAPI's own 404: no such route
             problem = (
@@ -1574,13 +1607,29 @@ class ServerSampler:
 
     def __call__(self, prompts: list[list[int]], max_new_tokens: int) -> list[Completion]:
         self.sync_adapter()
-        return asyncio.run(self._complete_all(prompts, max_new_tokens)) if prompts else []
+        return asyncio.run(self._complete_all(prompts, max_new_tokens, self.adapter_name)) if prompts else []
 
-    async def _complete_all(self, prompts: list[list[int]], max_new_tokens: int) -> list[Completion]:
-        """One burst: at most --sampler-concurrency requests in flight, all answered by --sampler-deadline-s.
-        openai's client retries lost connections, timeouts, 408/409/429 and 5xx answers with exponential backoff
-        (until the deadline: max_retries is its own cap); a request the server refuses (another 4xx) fails at once,
-        except a first 404: a server restarted during the burst no longer has the adapter (loaded again, once)."""
+    def pinned(self, adapter: str) -> SampleFn:
+        """A SampleFn that samples with the loaded adapter `adapter`, whatever the weights are now (AsyncRollouts'
+        thread: one version per episode). It never syncs: the trainer's thread loads the adapters."""
+
+        def sample(prompts: list[list[int]], max_new_tokens: int) -> list[Completion]:
+            return asyncio.run(self._complete_all(prompts, max_new_tokens, adapter)) if prompts else []
+
+        return sample
+
+    def _restore(self, adapter: str) -> None:
+        """The server no longer serves `adapter` (it was restarted): loaded again from its saved directory, by
+        whichever process or thread needs it first."""
+        if adapter not in {card["id"] for card in self._served_models()}:
+            self._load_adapter(adapter)
+
+    async def _complete_all(self, prompts: list[list[int]], max_new_tokens: int, adapter: str) -> list[Completion]:
+        """One burst with adapter `adapter`: at most --sampler-concurrency requests in flight, all answered by
+        --sampler-deadline-s. openai's client retries lost connections, timeouts, 408/409/429 and 5xx answers with
+        exponential backoff (until the deadline: max_retries is its own cap); a request the server refuses (another
+        4xx) fails at once, except a first 404: a server restarted during the burst no longer has the adapter (loaded
+        again, once)."""
         args = self.args
         semaphore, reload = asyncio.Semaphore(args.sampler_concurrency), asyncio.Lock()
         client = openai.AsyncOpenAI(
@@ -1590,7 +1639,7 @@ class ServerSampler:
             async with client, asyncio.timeout(args.sampler_deadline_s):
                 return list(
                     await asyncio.gather(
-                        *(self._complete(client, p, max_new_tokens, semaphore, reload) for p in prompts)
+                        *(self._complete(client, p, max_new_tokens, adapter, semaphore, reload) for p in prompts)
                     )
                 )
         except TimeoutError:
@@ -1599,15 +1648,15 @@ class ServerSampler:
                 f"{args.sampler_deadline_s} s (retries included)"
             ) from None
 
-    async def _complete(self, client, prompt: list[int], max_new_tokens: int, semaphore, reload) -> Completion:
+    async def _complete(self, client, prompt: list[int], max_new_tokens: int, adapter, semaphore, reload):
         try:
             async with semaphore:
                 try:
-                    response = await self._create(client, prompt, max_new_tokens)
+                    response = await self._create(client, prompt, max_new_tokens, adapter)
                 except openai.NotFoundError:  # the adapter is gone (a restarted server): load it, ask once more
                     async with reload:  # one reload per burst: the next holder finds the adapter served
-                        await asyncio.to_thread(self.sync_adapter)
-                    response = await self._create(client, prompt, max_new_tokens)
+                        await asyncio.to_thread(self._restore, adapter)
+                    response = await self._create(client, prompt, max_new_tokens, adapter)
         except openai.APIStatusError as error:
             raise RuntimeError(
                 f"--sampler-url {self.url}: the server refused a completion request "
@@ -1615,10 +1664,10 @@ class ServerSampler:
             ) from error
         return self._completion(response.model_dump())
 
-    def _create(self, client, prompt: list[int], max_new_tokens: int):
+    def _create(self, client, prompt: list[int], max_new_tokens: int, adapter: str):
         args = self.args
         return client.completions.create(  # every sampling field is sent: the server's defaults
-            model=self.adapter_name,  # come from the model's generation_config
+            model=adapter,  # come from the model's generation_config
             prompt=list(prompt),
             max_tokens=min(max_new_tokens, self.max_model_len - len(prompt)),  # >= 1: --max-trajectory-tokens
             temperature=0.0 if self.greedy else args.temperature,
@@ -1799,6 +1848,7 @@ class Datum:
     mask: list[float]
     ref_logprobs: list[float] | None = None
     extra: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+    version: int = 0  # --async-steps: the weights whose adapter sampled it (its trajectory's version)
 
     def __post_init__(self):
         n = len(self.tokens)
@@ -1840,21 +1890,62 @@ def refresh_old_logprobs(rt, datums: list[Datum], always: bool = False) -> dict:
     """The datums' old logprobs become the trainer's own: always (an update of several optimizer steps measures its
     ratios from the policy before the first, as veRL does), or with --sampler vllm and --recompute-logprobs (the
     server's kernels and precision differ). With the server, the drift |server - trainer| over the trained tokens is
-    reported."""
+    reported. With --async-steps the data is off-policy: behaviour_logprobs."""
     args = rt.args
+    if datums and args.async_steps:
+        return behaviour_logprobs(rt, datums)
     if not datums or not (always or (args.sampler == "vllm" and args.recompute_logprobs)):
         return {}
-    trainer = trained_logprobs(rt, datums)
-    drift = []
-    for datum, fresh in zip(datums, trainer):
-        drift += [abs(old - new) for old, new, m in zip(datum.old_logprobs, fresh, datum.mask) if m]
-        datum.old_logprobs = [new if m else old for old, new, m in zip(datum.old_logprobs, fresh, datum.mask)]
+    drift = replace_old_logprobs(datums, trained_logprobs(rt, datums))
     if args.sampler != "vllm":
         return {}
+    return drift_metrics(drift)
+
+
+def replace_old_logprobs(datums: list[Datum], logprobs: list[list[float]]) -> list[float]:
+    """The datums' old logprobs of their trained tokens become `logprobs`; returns |old - new| of every one."""
+    drift = []
+    for datum, fresh in zip(datums, logprobs):
+        drift += [abs(old - new) for old, new, m in zip(datum.old_logprobs, fresh, datum.mask) if m]
+        datum.old_logprobs = [new if m else old for old, new, m in zip(datum.old_logprobs, fresh, datum.mask)]
+    return drift
+
+
+def drift_metrics(drift: list[float]) -> dict:
     return {
         "rollout/logprob_drift_mean": math.fsum(drift) / max(1, len(drift)),
         "rollout/logprob_drift_max": max(drift, default=0.0),
     }
+
+
+def behaviour_logprobs(rt, datums: list[Datum]) -> dict:
+    """--async-steps: the ratio's old logprobs stay the behaviour policy's, the adapter version that sampled each datum
+    (the server's, or with --recompute-logprobs the trainer's under that version's weights, which AsyncRollouts keeps:
+    the drift against the server is reported as in the synchronous loop), whatever --ppo-epochs and --mini-batches.
+    --off-policy-loss decoupled then makes the old logprobs the weights' before this update (the proximal policy) and
+    gives every trained token the behaviour weight min(exp(proximal - behaviour), --behaviour-weight-cap)."""
+    args, metrics = rt.args, {}
+    if args.recompute_logprobs:
+        drift = []
+        for version in sorted({datum.version for datum in datums}):
+            rows = [datum for datum in datums if datum.version == version]
+            with rt.rollouts.weights_of(version):
+                drift += replace_old_logprobs(rows, trained_logprobs(rt, rows))
+        metrics |= drift_metrics(drift)
+    if args.off_policy_loss == "decoupled":
+        weights = []
+        for datum, proximal in zip(datums, trained_logprobs(rt, datums)):
+            datum.extra["behaviour_weight"] = [
+                min(math.exp(p - b), args.behaviour_weight_cap) if m else 0.0
+                for p, b, m in zip(proximal, datum.old_logprobs, datum.mask)
+            ]
+            weights += [w for w, m in zip(datum.extra["behaviour_weight"], datum.mask) if m]
+            datum.old_logprobs = [p if m else b for p, b, m in zip(proximal, datum.old_logprobs, datum.mask)]
+        metrics["train/behaviour_weight_mean"] = math.fsum(weights) / max(1, len(weights))
+        metrics["train/behaviour_weight_capped"] = sum(w >= args.behaviour_weight_cap for w in weights) / max(
+            1, len(weights)
+        )
+    return metrics
 
 
 def broadcast_to_tokens(step_advantages: Sequence[Sequence[float]], step_ids: torch.Tensor) -> torch.Tensor:
@@ -1884,8 +1975,14 @@ def trajectory_datums(trajectories: Sequence[Trajectory], step_advantages: Seque
     step_ids = torch.tensor([ids + [-1] * (width - len(ids)) for _, _, ids in sequences], dtype=torch.long)
     token_advantages = broadcast_to_tokens(step_advantages, step_ids.view(len(sequences), width)).tolist()
     return [
-        Datum(list(tokens), list(old_logprobs), advantages[: len(tokens)], [1.0 if k >= 0 else 0.0 for k in ids])
-        for (tokens, old_logprobs, ids), advantages in zip(sequences, token_advantages)
+        Datum(
+            list(tokens),
+            list(old_logprobs),
+            advantages[: len(tokens)],
+            [1.0 if k >= 0 else 0.0 for k in ids],
+            version=traj.version,
+        )
+        for (tokens, old_logprobs, ids), advantages, traj in zip(sequences, token_advantages, trajectories)
     ]
 
 
@@ -1999,7 +2096,8 @@ def ppo_clip_loss(
 
     ratio = exp(logp - old_logp), loss = max(-A * ratio, -A * clip(ratio, 1 - eps, 1 + eps_high)) (clip-higher when
     eps_high > eps); dual clip caps the loss of a token with A < 0 at -A * c, so a huge ratio on a bad token cannot
-    dominate; the KL term is k3 = exp(ref - logp) - (ref - logp) - 1 (clamped to [-10, 10] as veRL's low_var_kl)."""
+    dominate; a batch with a behaviour_weight field (--off-policy-loss decoupled: behaviour_logprobs) multiplies it in;
+    the KL term is k3 = exp(ref - logp) - (ref - logp) - 1 (clamped to [-10, 10] as veRL's low_var_kl)."""
     mask, advantages = batch["mask"], batch["advantages"]
     ratio = torch.exp(logprobs - batch["old_logprobs"])
     eps_high = clip_eps if clip_eps_high is None else clip_eps_high
@@ -2011,6 +2109,8 @@ def ppo_clip_loss(
         dual_clipped = (advantages < 0) & (capped < per_token)
         per_token = torch.where(advantages < 0, capped, per_token)
         stats["dual_clip_frac"] = (dual_clipped.float() * mask).sum().item()
+    if "behaviour_weight" in batch:
+        per_token = per_token * batch["behaviour_weight"]
     if kl_loss_coef > 0:
         log_ratio = batch["ref_logprobs"] - logprobs
         kl = (torch.exp(log_ratio) - log_ratio - 1.0).clamp(-10.0, 10.0)
@@ -2237,7 +2337,10 @@ class SharedArgs:
     """one turn's burst of requests, retries included, must finish by then or the update fails"""
     recompute_logprobs: bool = True
     """with --sampler vllm: the loss's old logprobs come from a trainer forward pass, not from the server"""
-
+    async_steps: int = 0
+    """K: with --sampler vllm, a background thread samples the next updates' rollouts through the server while the
+    current update trains; no datum trains on weights more than K updates newer than the adapter that sampled it
+    (0 = synchronous: sample, then train; docs/vllm.md: Rollouts ahead of training)"""
 
 
 @dataclasses.dataclass
@@ -2266,6 +2369,12 @@ class PPOArgs(SharedArgs):
     """passes over each rollout's data (old logprobs are recomputed by the policy when this or --mini-batches > 1)"""
     mini_batches: int = 1
     """optimizer steps per pass (the rollout's trajectories split at random)"""
+    off_policy_loss: Literal["ppo", "decoupled"] = "ppo"
+    """with --async-steps >= 1: ppo = PPO-clip of the ratio to the behaviour policy (the adapter that sampled the
+    episode); decoupled = AReaL's: PPO-clip of the ratio to the weights before this update, times the behaviour weight
+    min(pi_before / pi_behaviour, --behaviour-weight-cap)"""
+    behaviour_weight_cap: float = 2.0
+    """--off-policy-loss decoupled: the truncation of the behaviour weight"""
 
 
 def validate_model_args(args) -> None:
@@ -2276,6 +2385,7 @@ def validate_model_args(args) -> None:
     check_bounds(args, "> 0", "lora_alpha", "learning_rate", "max_grad_norm", "temperature", "sampler_timeout_s")
     check_bounds(args, "> 0", "sampler_deadline_s")
     check_bounds(args, ">= 0", "weight_decay", "seed", "save_every", "eval_every", "eval_games", "threads")
+    check_bounds(args, ">= 0", "async_steps")
     check(
         (bool(args.model), "--model must not be empty"),
         (len(args.lora_targets) >= 1 and all(args.lora_targets), "--lora-targets must name at least one module"),
@@ -2308,6 +2418,11 @@ def validate_model_args(args) -> None:
             "--sampler-url is only used with --sampler vllm (the default sampler is generate)",
         ),
         (
+            args.sampler == "vllm" or args.async_steps == 0,
+            "--async-steps needs --sampler vllm: generate() runs in the training process, on the weights being "
+            "trained and on the cores training uses, so there is nothing to overlap it with",
+        ),
+        (
             args.max_trajectory_tokens > args.max_turn_tokens,
             f"--max-trajectory-tokens ({args.max_trajectory_tokens}) must exceed --max-turn-tokens ({args.max_turn_tokens})",
         ),
@@ -2321,7 +2436,12 @@ def validate_ppo_args(args: PPOArgs) -> None:
     check_bounds(args, ">= 1", "mini_batches")
     check_bounds(args, "> 0", "clip_eps_high")
     check_bounds(args, ">= 0", "kl_loss_coef")
+    check_bounds(args, ">= 1", "behaviour_weight_cap")
     check(
+        (
+            args.off_policy_loss == "ppo" or args.async_steps >= 1,
+            "--off-policy-loss decoupled needs --async-steps >= 1 (synchronous data is on-policy)",
+        ),
         (0 < args.clip_eps < 1, f"--clip-eps must lie in (0, 1), got {args.clip_eps}"),
         (
             args.lora_rank > 0 or args.kl_loss_coef == 0,
@@ -2526,9 +2646,10 @@ class Runtime:
         self.protocol = chat_protocol(args, self.tokenizer)
         self.sample_fn = make_sampler(self.model, self.tokenizer, accelerator, args)
         self.greedy_fn = make_sampler(self.model, self.tokenizer, accelerator, args, greedy=True)
-        self.game_cursor = 0
+        self.game_cursor = 0  # of the games in the updates trained (--async-steps: not those sampled ahead)
         self.bad_games = 0  # games skipped since the last metrics row (rollout/bad_games_skipped)
         self.on_turn: Callable[[int, int], None] | None = None  # rollout progress (the logger's turn bar)
+        self.rollouts: AsyncRollouts | None = None  # --async-steps: the background sampler (Run starts it)
 
     def make_heads(self, config) -> dict[str, torch.nn.Module]:
         """The algorithm's own trainable modules on the policy (a value head reading its hidden states), by name, from
@@ -2537,15 +2658,42 @@ class Runtime:
         return {}
 
     def next_game_start(self) -> SavedState:
-        """The next training game from its start (games cycle in their shuffled order). A game that passed the
-        start-up parse but does not load is skipped, named on stderr and counted: a bad game never ends the run."""
-        for _ in self.games:
-            game = self.games[self.game_cursor % len(self.games)]
-            self.game_cursor += 1
-            if (state := game_start_or_skip(game, self.protocol, "games", seed=self.game_cursor)) is not None:
-                return state
-            self.bad_games += 1
-        raise RuntimeError(f"none of this process's {len(self.games)} training games loads")
+        """The next training game from its start (games cycle in their shuffled order)."""
+        (state,), self.game_cursor, skipped = self.game_starts(1, self.game_cursor)
+        self.bad_games += skipped
+        return state
+
+    def game_starts(self, n: int, cursor: int) -> tuple[list[SavedState], int, int]:
+        """n training games from their start, the first at `cursor` in the shuffled order (games cycle): (the starts,
+        the cursor after them, the games skipped). A game that passed the start-up parse but does not load is skipped
+        and named on stderr: a bad game never ends the run."""
+        starts, skipped = [], 0
+        while len(starts) < n:
+            for _ in self.games:
+                game = self.games[cursor % len(self.games)]
+                cursor += 1
+                if (state := game_start_or_skip(game, self.protocol, "games", seed=cursor)) is not None:
+                    starts.append(state)
+                    break
+                skipped += 1
+            else:
+                raise RuntimeError(f"none of this process's {len(self.games)} training games loads")
+        return starts, cursor, skipped
+
+    def rollout_groups(self) -> list[list[Trajectory]]:
+        """Step 1 of an update: --groups-per-update games from their start, --group-size episodes each, to --max-turns.
+        --async-steps 0: played now, with the weights as they are. K >= 1: the batch AsyncRollouts sampled for this
+        update, at most K versions behind these weights."""
+        args = self.args
+        if self.rollouts is not None:
+            batch = self.rollouts.next_batch()
+        else:
+            starts, cursor, skipped = self.game_starts(args.groups_per_update, self.game_cursor)
+            groups = self.play(starts, args.group_size, horizon=args.max_turns, max_turns=args.max_turns)
+            batch = RolloutBatch(groups, 0, cursor, skipped)
+        self.game_cursor = batch.game_cursor
+        self.bad_games += batch.bad_games
+        return batch.groups
 
     def play(self, starts, group_size: int, *, horizon: int, max_turns: int, sample_fn=None):
         """rollout() with the run's token budgets, progress bar and sampler (self.sample_fn unless given)."""
@@ -2579,6 +2727,134 @@ def game_start_or_skip(game: str, protocol, stage: str, seed: int = 0) -> SavedS
         return None
 
 
+@dataclasses.dataclass
+class RolloutBatch:
+    """One update's rollout: its groups, the weights version that sampled them, the game cursor after its games and
+    the games it skipped."""
+
+    groups: list[list[Trajectory]]
+    version: int
+    game_cursor: int
+    bad_games: int
+
+
+class RolloutsStopped(Exception):
+    """AsyncRollouts.close() ended a rollout in flight (its next turn)."""
+
+
+class AsyncRollouts:
+    """--async-steps K: a background thread plays the rollouts of the coming updates through the vLLM server while the
+    current update trains. The trainer's thread keeps the model (it alone reads and writes the weights and loads
+    adapters); this thread drives the server and the games.
+
+    Version v = the weights after v updates. Before it takes the batch of update u, the trainer publishes version u - 1:
+    its adapter loaded into the server (ServerSampler.sync_adapter, which keeps the K + 1 newest loaded and on disk)
+    and its trained tensors kept here (weights_of: the behaviour logprobs). The rule: the batch of update u is begun
+    only once version u - 1 - K is published, with the newest published adapter, and every turn of every episode in it
+    is sampled with that one adapter. Update u trains version u - 1, so each datum is at most K versions behind the
+    weights it updates (staleness = u - 1 - its version); no batch can go stale past the bound, so none is requeued or
+    dropped. The thread samples no batch past the run's last update. A batch not yet trained is lost with the process
+    (kill, crash): the checkpoint's game cursor is that of the updates trained, so a resumed run samples those games
+    again, with its own weights, and trains nothing twice."""
+
+    def __init__(self, rt, done: int, total_updates: int):
+        self.rt, self.bound, self.total_updates = rt, rt.args.async_steps, total_updates
+        self.update = done  # the last update whose batch the trainer took
+        self.cursor = rt.game_cursor  # the sampling thread's: games begun
+        self.latest, self.versions = -1, {}  # version -> (adapter name, trained tensors), the K + 1 newest
+        self.staleness: list[int] = []  # of the last batch taken, per episode
+        self.ready: queue.Queue = queue.Queue()
+        self.changed = threading.Condition()
+        self.stopping = False
+        self.publish(done)
+        self.thread = threading.Thread(target=self._sample_ahead, name="async-rollouts", daemon=True)
+        self.thread.start()
+
+    def publish(self, version: int) -> None:
+        """The trainer's weights as `version`: their adapter served, their tensors kept; the oldest beyond K + 1 go."""
+        rt = self.rt
+        rt.sample_fn.sync_adapter()
+        policy = rt.accelerator.unwrap_model(rt.model)
+        tensors = [p.detach().clone() for p in policy.parameters() if p.requires_grad]
+        with self.changed:
+            self.versions[version] = (rt.sample_fn.adapter_name, tensors)
+            for old in [v for v in self.versions if v < version - self.bound]:
+                del self.versions[old]
+            self.latest = version
+            self.changed.notify_all()
+
+    @contextlib.contextmanager
+    def weights_of(self, version: int):
+        """The policy's trained parameters set to `version`'s inside (the trainer's thread), restored after."""
+        params = [p for p in self.rt.accelerator.unwrap_model(self.rt.model).parameters() if p.requires_grad]
+        if version == self.latest:
+            yield
+            return
+        current = [p.detach().clone() for p in params]
+        with torch.no_grad():
+            for p, saved in zip(params, self.versions[version][1]):
+                p.copy_(saved)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, saved in zip(params, current):
+                    p.copy_(saved)
+
+    def _sample_ahead(self) -> None:
+        args, rt = self.rt.args, self.rt
+        try:
+            for update in range(self.update + 1, self.total_updates + 1):
+                with self.changed:  # the bound: version update - 1 - K must be out
+                    self.changed.wait_for(lambda: self.stopping or self.latest >= update - 1 - self.bound)
+                    if self.stopping:
+                        return
+                    version, (adapter, _) = self.latest, self.versions[self.latest]
+                sample = rt.sample_fn.pinned(adapter)
+
+                def sample_fn(prompts, max_new_tokens):
+                    if self.stopping:
+                        raise RolloutsStopped
+                    return sample(prompts, max_new_tokens)
+
+                starts, self.cursor, skipped = rt.game_starts(args.groups_per_update, self.cursor)
+                groups = rt.play(
+                    starts, args.group_size, horizon=args.max_turns, max_turns=args.max_turns, sample_fn=sample_fn
+                )
+                for traj in (traj for group in groups for traj in group):
+                    traj.version = version
+                self.ready.put(RolloutBatch(groups, version, self.cursor, skipped))
+        except RolloutsStopped:
+            return
+        except BaseException as error:  # the trainer raises it when it asks for the next batch
+            self.ready.put(error)
+
+    def next_batch(self) -> RolloutBatch:
+        """The next update's batch (waits for it), after publishing the weights that update trains."""
+        self.update += 1
+        if self.update - 1 > self.latest:
+            self.publish(self.update - 1)
+        batch = self.ready.get()
+        if isinstance(batch, BaseException):
+            raise RuntimeError(f"--async-steps: sampling the rollouts ahead failed: {batch}") from batch
+        self.staleness = [self.update - 1 - batch.version for group in batch.groups for _ in group]
+        return batch
+
+    def metrics(self) -> dict:
+        """rollout/staleness_mean and _max: versions between the weights trained and the adapter that sampled."""
+        return {
+            "rollout/staleness_mean": math.fsum(self.staleness) / max(1, len(self.staleness)),
+            "rollout/staleness_max": float(max(self.staleness, default=0)),
+        }
+
+    def close(self) -> None:
+        """Stops the thread (a rollout in flight ends at its next turn, its batch unused)."""
+        with self.changed:
+            self.stopping = True
+            self.changed.notify_all()
+        self.thread.join()
+
+
 class Run:
     """The bookkeeping around the update loop that each script's main() writes out: the run directory (new, or the
     resumed run's), its logger, and on resume the runtime, model, optimizer and RNG states as they were saved."""
@@ -2595,6 +2871,8 @@ class Run:
             load_checkpoint(resumed, rt.model, rt.optimizer, job.accelerator, rt.heads)  # last: the RNG states as saved
             if job.accelerator.is_main_process:
                 print(f"resumed {resumed} (update {self.done} of {total_updates})", file=sys.stderr)
+        if job.args.async_steps:
+            rt.rollouts = AsyncRollouts(rt, self.done, total_updates)  # samples ahead from now on
 
     def updates(self) -> range:
         """The updates still to run."""
@@ -2603,6 +2881,8 @@ class Run:
     def gather(self, metrics: dict) -> dict:
         """An update's metrics, with the games skipped since the last row, over all processes (reduce_metrics)."""
         metrics["rollout/bad_games_skipped"], self.rt.bad_games = Count(self.rt.bad_games), 0
+        if self.rt.rollouts is not None:
+            metrics |= self.rt.rollouts.metrics()
         return reduce_metrics(self.job.accelerator, metrics)
 
     def evaluates(self, update: int) -> bool:
@@ -2634,6 +2914,8 @@ class Run:
 
     def close(self) -> Path:
         """Returns the run directory."""
+        if self.rt.rollouts is not None:
+            self.rt.rollouts.close()
         self.logger.close()
         return self.dir
 

@@ -236,8 +236,7 @@ def normalized(rt: Runtime, advantages: list[list[float]], tokens: list[list[int
 def gae_update(rt: Runtime, warmup: bool = False) -> tuple[dict, list[dict]]:
     args, t0 = rt.args, time.time()
     # ---- step 1: roll out G games x N full episodes
-    starts = [rt.next_game_start() for _ in range(args.groups_per_update)]
-    groups = rt.play(starts, args.group_size, horizon=args.max_turns, max_turns=args.max_turns)
+    groups = rt.rollout_groups()  # --async-steps K: sampled ahead, at most K versions behind
     trajectories = [traj for group in groups for traj in group]
     t_rollout = time.time()
 

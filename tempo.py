@@ -166,6 +166,12 @@ def validate_args(args: Args) -> None:
         ),
         (args.warmup_updates + args.td_updates >= 1, "--warmup-updates + --td-updates must be >= 1"),
         (
+            args.async_steps == 0,
+            "--async-steps: tempo.py samples synchronously. Its phase-2 starts are drawn from the state store and its "
+            "segments valued by the critic that the update before trains, so sampling ahead would change what the "
+            "store holds when a state is drawn (not measured here; docs/vllm.md)",
+        ),
+        (
             args.state_store_capacity >= args.groups_per_update,
             f"--state-store-capacity ({args.state_store_capacity}) must be >= --groups-per-update ({args.groups_per_update})",
         ),

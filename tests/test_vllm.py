@@ -121,7 +121,7 @@ def test_an_adapter_gone_mid_burst_is_loaded_again(vllm, trainer):
     prompts = chat_prompts(tokenizer, 4)
     assert httpx.post(vllm.url + "/unload_lora_adapter", json={"lora_name": sampler.adapter_name}).status_code == 200
     assert sampler.adapter_name not in served_adapters(vllm.url)
-    completions = asyncio.run(sampler._complete_all(prompts, 8))  # the burst alone, without the sync before it
+    completions = asyncio.run(sampler._complete_all(prompts, 8, sampler.adapter_name))  # the burst alone, without the sync before it
     assert sampler.adapter_name in served_adapters(vllm.url)
     assert_same_policy(logprob_gaps(model, accelerator, tokenizer, prompts, completions))
 
