@@ -68,7 +68,8 @@ class VllmServer:
         self.process: subprocess.Popen | None = None
 
     def command(self) -> list[str]:
-        lora = ["--enable-lora", "--max-lora-rank", str(self.max_lora_rank), "--max-loras", "2"] if self.enable_lora else []
+        lora = ["--enable-lora", "--max-lora-rank", str(self.max_lora_rank)] if self.enable_lora else []
+        lora += ["--max-loras", "2"] if self.enable_lora else []  # --async-steps: an older and the current adapter
         return [
             str(venv_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
             "--host", "127.0.0.1", "--port", str(self.port), "--max-model-len", str(self.max_model_len),

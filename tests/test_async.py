@@ -135,4 +135,3 @@ def test_what_async_sampling_refuses_at_start(module, overrides, message):
     args = dataclasses.replace(module.Args(), **overrides)
     with pytest.raises(ValueError, match=message):
         module.validate_args(args)
-

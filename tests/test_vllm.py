@@ -13,16 +13,16 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import algorithm_scripts
 import httpx
 import psutil
 import pytest
-from benchmarks.vllm_cpu import free_port
+from test_kv_cache import perturb_adapter
 
-import algorithm_scripts
 import common
 import offline
 import tempo
-from test_kv_cache import perturb_adapter
+from benchmarks.vllm_cpu import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 # Every algorithm script (tests/algorithm_scripts.py) trains through the server on its `learning` preset (the tiny
@@ -121,7 +121,8 @@ def test_an_adapter_gone_mid_burst_is_loaded_again(vllm, trainer):
     prompts = chat_prompts(tokenizer, 4)
     assert httpx.post(vllm.url + "/unload_lora_adapter", json={"lora_name": sampler.adapter_name}).status_code == 200
     assert sampler.adapter_name not in served_adapters(vllm.url)
-    completions = asyncio.run(sampler._complete_all(prompts, 8, sampler.adapter_name))  # the burst alone, without the sync before it
+    # the burst alone, without the sync before it
+    completions = asyncio.run(sampler._complete_all(prompts, 8, sampler.adapter_name))
     assert sampler.adapter_name in served_adapters(vllm.url)
     assert_same_policy(logprob_gaps(model, accelerator, tokenizer, prompts, completions))
 
