@@ -2767,7 +2767,7 @@ class AsyncRollouts:
         self.changed = threading.Condition()
         self.stopping = False
         self.publish(done)
-        self.thread = threading.Thread(target=self._sample_ahead, name="async-rollouts", daemon=True)
+        self.thread = threading.Thread(target=self._sample_ahead, args=(done + 1,), name="async-rollouts", daemon=True)
         self.thread.start()
 
     def publish(self, version: int) -> None:
@@ -2801,10 +2801,11 @@ class AsyncRollouts:
                 for p, saved in zip(params, current):
                     p.copy_(saved)
 
-    def _sample_ahead(self) -> None:
+    def _sample_ahead(self, first: int) -> None:
+        """The batches of updates first.. to the last, in order, each begun within the bound."""
         args, rt = self.rt.args, self.rt
         try:
-            for update in range(self.update + 1, self.total_updates + 1):
+            for update in range(first, self.total_updates + 1):
                 with self.changed:  # the bound: version update - 1 - K must be out
                     self.changed.wait_for(lambda: self.stopping or self.latest >= update - 1 - self.bound)
                     if self.stopping:
