@@ -76,7 +76,7 @@ def main():
     load = os.getloadavg()[0]
     print(f"load average {load:.1f} on {len(cores)} cores" + (" (busy: the figures are contaminated)" if load > 1 else ""))
     with tempfile.TemporaryDirectory() as tmp:
-        with VllmServer(common.resolve_model("tiny-agent"), Path(tmp) / "server.log", max_model_len=4096) as server:
+        with VllmServer(common.resolve_model("tiny-agent"), Path(tmp) / "server.log", max_model_len=8192) as server:
             trainer_cores = None
             if len(cores) >= 2:
                 pin(server.process.pid, cores[:1])
