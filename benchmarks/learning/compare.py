@@ -438,6 +438,7 @@ def plot(results: dict, out: Path, arms: Sequence[str]) -> None:
     fig.savefig(out / "learning.png", dpi=120)
     plt.close(fig)
 
+    critic_panel(results, out, arms)
     tempo_runs = [r for r in results["runs"].values() if r["algorithm"].startswith("tempo")]
     if tempo_runs:
         keys = (  # the critic's warm-up targets, then the README's four TD-phase signals
@@ -461,6 +462,37 @@ def plot(results: dict, out: Path, arms: Sequence[str]) -> None:
         fig.tight_layout()
         fig.savefig(out / "tempo_critic.png", dpi=120)
         plt.close(fig)
+
+
+def critic_panel(results: dict, out: Path, arms: Sequence[str]) -> None:
+    """critic_panel.png: each TEMPO arm's generative critic against true V of the held-out states (Pearson r, mean over
+    seeds) at each evaluation point, beside the "Nothing happens." count's r on the same states, the reference line a
+    critic should beat (--critic-eval points only)."""
+    import matplotlib.pyplot as plt
+
+    def r_at(points: list[dict], critic_name: str) -> float | None:
+        rs = [p["critic"][critic_name]["r"] for p in points if p["critic"][critic_name]["r"] is not None]
+        return statistics.fmean(rs) if rs else None
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    drawn = False
+    for name in (n for n in arms if n.startswith("tempo")):
+        points = [p for r in results["runs"].values() if r["algorithm"] == name for p in r["points"] if "critic" in p]
+        updates = sorted({p.get("update", 0) for p in points})
+        color = None
+        for critic_name, style in (("generative", "-o"), ("nothing_count", ":x")):
+            curve = [(u, r_at([p for p in points if p.get("update", 0) == u], critic_name)) for u in updates]
+            curve = [(u, r) for u, r in curve if r is not None]
+            if curve:
+                (line,) = ax.plot(*zip(*curve), style, color=color, label=f"{name}: {critic_name.replace('_', ' ')}")
+                color, drawn = line.get_color(), True
+    if drawn:
+        ax.set_xlabel("update (0: the warm start)")
+        ax.set_ylabel("r against true V (held-out states)")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / "critic_panel.png", dpi=120)
+    plt.close(fig)
 
 
 def save(results_file: Path, results: dict, ours: set[str]) -> None:
