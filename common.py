@@ -2423,6 +2423,8 @@ class Run:
             load_checkpoint(resumed, rt.model, rt.optimizer, job.accelerator, rt.heads)  # last: the RNG states as saved
             if job.accelerator.is_main_process:
                 print(f"resumed {resumed} (update {self.done} of {total_updates})", file=sys.stderr)
+        elif self.evaluates(0):  # the policy a new run starts from, as row 0: its curves begin where training does
+            self.log(0, evaluate(rt, job.args.max_turns))
 
     def updates(self) -> range:
         """The updates still to run."""
@@ -2434,7 +2436,8 @@ class Run:
         return reduce_metrics(self.job.accelerator, metrics)
 
     def evaluates(self, update: int) -> bool:
-        """Whether an evaluation follows this update: every --eval-every and after the last (with --eval-games)."""
+        """Whether an evaluation follows this update (0: before the first): every --eval-every and after the last
+        (with --eval-games)."""
         args = self.job.args
         return bool(args.eval_every and args.eval_games) and (
             update == self.total_updates or update % args.eval_every == 0
@@ -2674,7 +2677,7 @@ class RunLogger:
                 else {}
             )
             self.wandb.log({**numeric, **table}, step=update)
-        self.bar.update(1)
+        self.bar.update(1 if update else 0)  # row 0 (the start's evaluation) is no update
         for key in (k for k in self.postfix_keys if k in numeric):
             self.recent[key].append(numeric[key])
         # means over the last 4 updates: one update's 16 episodes are too noisy to show a trend

@@ -946,8 +946,7 @@ def test_critic_prompts_over_budget_are_skipped_counted_and_never_sent(runtime):
 @pytest.fixture(scope="module")
 def smoke_run(games_root, tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("runs")
-    # every endpoint stored (the source's rule): the untrained model's groups are all degenerate, so the default
-    # (outcome) would store none
+    # every endpoint stored: the untrained model's groups are all degenerate, so the default (outcome) would store none
     args = small_args(games_root, tiny_model_dir, out, eval_every=10, state_selection="uniform")
     run_dir = tempo.main(args)
     return args, run_dir
@@ -955,7 +954,8 @@ def smoke_run(games_root, tiny_model_dir, tmp_path_factory):
 
 def test_smoke_run_second_td_update_consumes_stored_states(smoke_run):
     args, run_dir = smoke_run
-    rows = read_metrics(run_dir)
+    start, *rows = read_metrics(run_dir)
+    assert start["update"] == 0 and "eval/train/success_rate" in start  # the start's evaluation, before update 1
     assert [r["update"] for r in rows] == [1, 2, 3] and [r["phase"] for r in rows] == ["warmup", "td", "td"]
     warmup, td1, td2 = rows
     assert warmup["warmup/boundary_states"] == 2 * 2 and "critic/parse_failure_rate" in warmup
@@ -985,8 +985,8 @@ def test_resume_continues_the_run(smoke_run, tmp_path):
     args = tempo.Args(**{**vars(args), "td_updates": 3, "resume": "auto", "eval_every": 0})
     assert tempo.main(args) == run_dir
     rows = read_metrics(run_dir)
-    assert [r["update"] for r in rows] == [1, 2, 3, 4]
-    assert rows[3]["td/fresh_states"] == 0  # the store came back with the checkpoint (2 states were left)
+    assert [r["update"] for r in rows] == [0, 1, 2, 3, 4]
+    assert rows[4]["td/fresh_states"] == 0  # the store came back with the checkpoint (2 states were left)
     state = json.loads((run_dir / "checkpoints" / "update_000004" / "trainer_state.json").read_text())
     assert state["algorithm"] == "tempo" and state["update"] == 4
 
