@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import itertools
 import json
 import math
@@ -43,75 +42,18 @@ ORM_DISTRIBUTIONS = ("last_step", "all_steps", "only_prm")
 PERMANENT_HTTP_ERRORS = (400, 401, 403, 404, 422)  # a labeller request that got one of these is not retried
 
 
-# fork 2: the algorithm's flags in Args (keep the shared ones written out: common reads them) and validate_args
+# fork 2: the algorithm's flags in Args (common.SharedArgs / PPOArgs hold the shared ones) and validate_args
 @dataclass
-class Args:
-    # ---- model and optimisation (shared by every script) ----
-    model: str = "Qwen/Qwen3-4B-Instruct-2507"
-    """HF model id or local path; `tiny` = the offline tiny model (tests, smoke runs)"""
-    chat_template: str = ""
-    """a Jinja chat template file that replaces the model's own (as `vllm serve --chat-template`); "" = the model's"""
-    enable_thinking: bool = True
-    """passed to the chat template; --no-enable-thinking: Qwen3 hybrid models answer without reasoning (refused for
-    a template without the switch)"""
-    lora_rank: int = 32
-    """LoRA rank; 0 = no adapter, every weight is trained"""
-    lora_alpha: int = 64
-    """LoRA alpha (scale = alpha / rank)"""
-    lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-    """module names that get LoRA adapters"""
-    learning_rate: float = 1e-6
-    """AdamW learning rate"""
-    adam_betas: tuple[float, float] = (0.9, 0.95)
-    """AdamW betas"""
-    weight_decay: float = 0.0
-    """AdamW weight decay"""
-    max_grad_norm: float = 1.0
-    """gradient clipping threshold (global L2 norm)"""
-    temperature: float = 1.0
-    """sampling temperature (logprobs are taken at this temperature too)"""
-    top_p: float = 1.0
-    """nucleus sampling threshold"""
-    micro_batch_tokens: int = 16384
-    """token budget of one forward/backward micro-batch (rows x padded length); gradients accumulate"""
-    sample_batch_size: int = 32
-    """prompts per generate() call"""
-    # ---- data ----
-    data_root: str | None = None
-    """ALFWorld data dir holding json_2.1.1/ (None = the generated offline game set; --model tiny-agent: its games)"""
-    split: Literal["train", "valid_seen", "valid_unseen"] = "train"
-    """split the training games come from"""
-    task_types: tuple[str, ...] | None = None
-    """ALFWorld task types to train on (None = all six)"""
-    seed: int = 1
-    """seed of the game order and of sampling"""
+class Args(common.PPOArgs):
+    exp_name: str = ALGORITHM
+    """run name prefix: runs/{exp_name}__{seed}__{time}"""
     # ---- GRPO ----
-    num_updates: int = 200
-    """policy updates (one rollout and one optimizer step each)"""
-    groups_per_update: int = 8
-    """G: games per update (per process), one GRPO group each"""
-    group_size: int = 8
-    """N: episodes sampled per game (the group size)"""
     max_turns: int = 30
     """T: turns per episode (the rollout horizon)"""
-    max_turn_tokens: int = 512
-    """new tokens per turn"""
-    max_trajectory_tokens: int = 24576
-    """token budget of one episode (an episode stops before overflowing it)"""
-    clip_eps: float = 0.2
-    """PPO clip range below 1 (and above, unless --clip-eps-high is set)"""
     clip_eps_high: float | None = 0.28
     """PPO clip range above 1 (DAPO's clip-higher, AgentEvolver's 0.28); None = --clip-eps"""
-    dual_clip_c: float | None = 3.0
-    """dual-clip PPO: the loss of a token with a negative advantage is capped at c * |A| (AgentEvolver: 3); None = off"""
     kl_beta: float = 0.0
     """weight of the per-token KL to the base model (the adapter disabled) subtracted from the advantage; 0 = off"""
-    kl_loss_coef: float = 0.0
-    """weight of the k3 KL to the base model as a loss term (AgentEvolver: 0.001); 0 = off"""
-    ppo_epochs: int = 1
-    """passes over each rollout's data (old logprobs are recomputed by the policy when this or --mini-batches > 1)"""
-    mini_batches: int = 1
-    """optimizer steps per pass (the rollout's trajectories split at random)"""
     # ---- ADCA: step attribution ----
     attribution: bool = True
     """label steps and use the labels (--no-attribution: plain multi-turn GRPO)"""
@@ -170,62 +112,14 @@ class Args:
     """longest labeller reply (tokens)"""
     labeler_log_dir: str = ""
     """write one JSONL record per labelling request here (empty: no log)"""
-    # ---- runs (shared by every script) ----
-    exp_name: str = "adca_grpo"
-    """run name prefix: runs/{exp_name}__{seed}__{time}"""
-    output_dir: str = "runs"
-    """where run directories go"""
-    track: bool = False
-    """log to Weights & Biases (mode from WANDB_MODE)"""
-    wandb_project: str = "cleanrl-agents"
-    """W&B project"""
-    save_every: int = 10
-    """checkpoint every this many updates (and at the end); 0 = only at the end"""
-    eval_every: int = 10
-    """greedy evaluation every this many updates and at the end; 0 = never"""
-    eval_games: int = 20
-    """games per evaluation split (valid_seen, valid_unseen)"""
-    resume: str = ""
-    """"" = new run, "auto" = newest checkpoint of the latest run named exp_name with this seed, or a checkpoint/run
-    path; flags that change what the run is must equal its config.json"""
-    eval_only: str = ""
-    """evaluate a checkpoint (its dir, a run dir = its newest, or "auto") into a new run dir's metrics.jsonl, and exit;
-    every flag not passed takes the run's value"""
-    threads: int = 0
-    """torch CPU threads per process (0 = OMP_NUM_THREADS if set, else the cores / the processes on this machine)"""
-    preset: str = ""
-    """named settings that become the defaults (`script.py NAME --flags`; --help lists them); flags override them"""
-    config: str = ""
-    """a JSON or YAML file of flag values that become the defaults (a run's config.json reruns it); flags override it"""
-    # ---- sampler (shared by every script) ----
-    sampler: Literal["generate", "vllm"] = "generate"
-    """generate: model.generate() in the training process; vllm: a vLLM server you start (README: Sampling through vLLM)"""
-    kv_cache_mb: int = 8192
-    """--sampler generate: MB of KV caches kept between a branch's turns, so that a turn prefills only the tokens added
-    since the last (a branch past the budget re-prefills its history; 0 = every turn re-prefills)"""
-    sampler_url: str = ""
-    """with --sampler vllm: the server's OpenAI API root, e.g. http://localhost:8000/v1"""
-    sampler_adapter_dir: str = ""
-    """where the adapter is saved for the server to load after each update ("" = {output_dir}/sampler_adapters)"""
-    sampler_concurrency: int = 64
-    """completion requests in flight per process"""
-    sampler_timeout_s: float = 600.0
-    """one completion request's timeout (it is retried after that)"""
-    sampler_deadline_s: float = 1800.0
-    """one turn's burst of requests, retries included, must finish by then or the update fails"""
-    recompute_logprobs: bool = True
-    """with --sampler vllm: the loss's old logprobs come from a trainer forward pass, not from the server"""
 
 
 def validate_args(args: Args) -> None:
-    common.validate_model_args(args)  # the shared flags, and every Literal flag's choices
-    common.check_bounds(args, ">= 1", "num_updates", "groups_per_update", "max_turns", "max_turn_tokens", "ppo_epochs")
-    common.check_bounds(
-        args, ">= 1", "mini_batches", "labeler_concurrency", "labeler_max_attempts", "labeler_max_new_tokens"
-    )
+    common.validate_ppo_args(args)  # the shared flags, PPOArgs' and every Literal flag's choices
+    common.check_bounds(args, ">= 1", "labeler_concurrency", "labeler_max_attempts", "labeler_max_new_tokens")
     common.check_bounds(args, ">= 1", "labeler_circuit_failures", "labeler_max_step_chars")
-    common.check_bounds(args, "> 0", "clip_eps_high", "fix_base", "labeler_timeout_s", "labeler_deadline_s")
-    common.check_bounds(args, ">= 0", "kl_beta", "kl_loss_coef", "alpha", "prm_steps", "labeler_error_backoff_s")
+    common.check_bounds(args, "> 0", "fix_base", "labeler_timeout_s", "labeler_deadline_s")
+    common.check_bounds(args, ">= 0", "kl_beta", "alpha", "prm_steps", "labeler_error_backoff_s")
     common.check_bounds(args, ">= 0", "labeler_error_backoff_cap_s", "labeler_rate_limit_backoff_s")
     common.check_bounds(args, ">= 0", "labeler_rate_limit_backoff_cap_s")
     common.check(
@@ -234,17 +128,8 @@ def validate_args(args: Args) -> None:
             f"--group-size must be >= 2 (GRPO compares within a group), got {args.group_size}",
         ),
         (
-            args.max_trajectory_tokens > args.max_turn_tokens,
-            f"--max-trajectory-tokens ({args.max_trajectory_tokens}) must exceed --max-turn-tokens ({args.max_turn_tokens})",
-        ),
-        (0 < args.clip_eps < 1, f"--clip-eps must lie in (0, 1), got {args.clip_eps}"),
-        (
-            args.lora_rank > 0 or args.kl_beta == args.kl_loss_coef == 0,
-            "--kl-beta / --kl-loss-coef need --lora-rank >= 1 (the reference is the model with its adapter disabled)",
-        ),
-        (
-            args.dual_clip_c is None or args.dual_clip_c > 1,
-            f"--dual-clip-c must be > 1 (the loss cap is c * |A|), got {args.dual_clip_c}",
+            args.lora_rank > 0 or args.kl_beta == 0,
+            "--kl-beta needs --lora-rank >= 1 (the reference is the model with its adapter disabled)",
         ),
         (
             0 <= args.alpha_min <= args.alpha or args.alpha_schedule == "constant",
@@ -861,7 +746,8 @@ def labeler_backend(args: Args) -> str:
 
 
 # fork 4: Runtime: what the updates need besides common.Runtime's games, model, optimizer, protocol and samplers
-# (what a checkpoint keeps of it goes into state_dict / load_state_dict); policy_loss and ppo_update, the training call
+# (what a checkpoint keeps of it goes into state_dict / load_state_dict); the training call: common.ppo_update, or
+# the algorithm's own policy_loss and ppo_update
 class Runtime(common.Runtime):
     def __init__(self, args: Args, accelerator):
         """The labeller first (an api one checks its key and its endpoint before the model loads, and gets this
@@ -889,22 +775,6 @@ class Runtime(common.Runtime):
             self.labeler = (
                 oracle_labeler if backend == "oracle" else PolicyLabeler(self.greedy_fn, self.tokenizer, args)
             )
-
-
-policy_loss = common.ppo_clip_loss  # PPO-clip per token: clip-higher, dual clip, the k3 KL term (veRL's token-mean)
-
-
-def ppo_update(rt: Runtime, datums: list[common.Datum]) -> dict:
-    """The PPO-clip loss with the run's clip, dual-clip and KL settings, over --ppo-epochs x --mini-batches steps."""
-    args = rt.args
-    loss_fn = functools.partial(
-        policy_loss,
-        clip_eps=args.clip_eps,
-        clip_eps_high=args.clip_eps_high,
-        dual_clip_c=args.dual_clip_c,
-        kl_loss_coef=args.kl_loss_coef,
-    )
-    return common.ppo_steps(rt, datums, loss_fn, args.ppo_epochs, args.mini_batches)
 
 
 def add_reference_logprobs(rt: Runtime, datums: list[common.Datum]) -> dict:
@@ -958,7 +828,7 @@ def adca_update(rt: Runtime, update: int) -> tuple[dict, list[dict]]:
         metrics |= add_reference_logprobs(rt, datums)
 
     # ---- step 7: PPO-clip, --ppo-epochs passes of --mini-batches optimizer steps each
-    metrics |= ppo_update(rt, datums)
+    metrics |= common.ppo_update(rt, datums)
     t_update = time.time()
 
     metrics |= common.rollout_metrics(trajectories) | common.group_metrics(groups)

@@ -7,9 +7,10 @@ Sections, in the order a reader needs them (search for the section's title):
   Chat protocol              token-in, token-out prompts, append-only across turns
   Batched multi-turn rollouts  rollout(): N branches per start state, H turns, through a SampleFn
   Model and samplers         load_model (LoRA), generate() or a vLLM server, both a SampleFn
-  Training step              teacher-forced logprobs, Datum, trajectory_datums, train_step(rt, datums, loss_fn)
-  Job harness                start-up checks, Runtime, Run (the pieces of main()'s update loop), evaluate,
-                             RunLogger, checkpoints and resume, cli
+  Training step              teacher-forced logprobs, Datum, trajectory_datums, train_step(rt, datums, loss_fn),
+                             ppo_update (the shared PPO-clip step)
+  Job harness                the shared flags (SharedArgs, PPOArgs), start-up checks, Runtime, Run (the pieces of
+                             main()'s update loop), evaluate, RunLogger, checkpoints and resume, cli
   The scripts' offline defaults  `--model tiny` / `tiny-agent`, the generated games without --data-root, the
                              learning presets' shared settings (offline.py, the layer below, makes the games and models)
 """
@@ -1993,8 +1994,8 @@ def ppo_clip_loss(
     dual_clip_c: float | None = None,
     kl_loss_coef: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """A train_step loss (gigpo.py's and adca_grpo.py's policy_loss): PPO-clip per generated token, token mean over
-    the whole update (veRL's token-mean).
+    """A train_step loss (ppo_update's; ppo.py's policy_loss adds its value loss): PPO-clip per generated token, token
+    mean over the whole update (veRL's token-mean).
 
     ratio = exp(logp - old_logp), loss = max(-A * ratio, -A * clip(ratio, 1 - eps, 1 + eps_high)) (clip-higher when
     eps_high > eps); dual clip caps the loss of a token with A < 0 at -A * c, so a huge ratio on a bad token cannot
@@ -2033,6 +2034,28 @@ def ppo_steps(rt, datums: list[Datum], loss_fn: LossFn, epochs: int, mini_batche
     merged["train/nonfinite_skipped"] = math.fsum(m["train/nonfinite_skipped"] for m in per_step)
     merged["train/optimizer_steps"] = float(len(per_step))
     return merged
+
+
+def ppo_update(rt, datums: list[Datum]) -> dict:
+    """The training call of a script that keeps PPO-clip (ppo_clip_loss) as it is: the loss with the run's clip,
+    dual-clip and KL settings (PPOArgs), over --ppo-epochs x --mini-batches steps. A script that changes the loss
+    writes its own policy_loss and ppo_update (tempo.py, ppo.py)."""
+    args = rt.args
+    loss_fn = functools.partial(
+        ppo_clip_loss,
+        clip_eps=args.clip_eps,
+        clip_eps_high=args.clip_eps_high,
+        dual_clip_c=args.dual_clip_c,
+        kl_loss_coef=args.kl_loss_coef,
+    )
+    return ppo_steps(rt, datums, loss_fn, args.ppo_epochs, args.mini_batches)
+
+
+def add_reference_logprobs(rt, datums: list[Datum]) -> None:
+    """The base model's logprobs on the datums (the LoRA adapter disabled), for ppo_clip_loss's k3 KL term."""
+    reference = trained_logprobs(rt, datums, reference=True)
+    for datum, ref in zip(datums, reference):
+        datum.ref_logprobs = ref
 
 
 def group_metrics(groups: Sequence[Sequence[Trajectory]]) -> dict:
@@ -2120,10 +2143,135 @@ def check_choices(args) -> None:
             )
 
 
+@dataclasses.dataclass
+class SharedArgs:
+    """The flags every script shares, declared once: each script's Args extends this (or PPOArgs) with its
+    algorithm's flags, and may give a shared flag a default of its own by declaring it again (exp_name: ALGORITHM)."""
+
+    # ---- model and optimisation ----
+    model: str = "Qwen/Qwen3-4B-Instruct-2507"
+    """HF model id or local path; `tiny` = the offline tiny model (tests, smoke runs)"""
+    chat_template: str = ""
+    """a Jinja chat template file that replaces the model's own (as `vllm serve --chat-template`); "" = the model's"""
+    enable_thinking: bool = True
+    """passed to the chat template; --no-enable-thinking: Qwen3 hybrid models answer without reasoning (refused for
+    a template without the switch)"""
+    lora_rank: int = 32
+    """LoRA rank; 0 = no adapter, every weight is trained"""
+    lora_alpha: int = 64
+    """LoRA alpha (scale = alpha / rank)"""
+    lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    """module names that get LoRA adapters"""
+    learning_rate: float = 1e-6
+    """AdamW learning rate"""
+    adam_betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW betas"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping threshold (global L2 norm)"""
+    temperature: float = 1.0
+    """sampling temperature (logprobs are taken at this temperature too)"""
+    top_p: float = 1.0
+    """nucleus sampling threshold"""
+    micro_batch_tokens: int = 16384
+    """token budget of one forward/backward micro-batch (rows x padded length); gradients accumulate"""
+    sample_batch_size: int = 32
+    """prompts per generate() call"""
+    # ---- data ----
+    data_root: str | None = None
+    """ALFWorld data dir holding json_2.1.1/ (None = the generated offline game set; --model tiny-agent: its games)"""
+    split: Literal["train", "valid_seen", "valid_unseen"] = "train"
+    """split the training games come from"""
+    task_types: tuple[str, ...] | None = None
+    """ALFWorld task types to train on (None = all six)"""
+    seed: int = 1
+    """seed of the game order and of sampling"""
+    # ---- token budgets ----
+    max_turn_tokens: int = 512
+    """new tokens per turn"""
+    max_trajectory_tokens: int = 24576
+    """token budget of one episode (an episode stops before overflowing it)"""
+    # ---- runs ----
+    exp_name: str = "run"
+    """run name prefix: runs/{exp_name}__{seed}__{time} (each script's Args: its ALGORITHM)"""
+    output_dir: str = "runs"
+    """where run directories go"""
+    track: bool = False
+    """log to Weights & Biases (mode from WANDB_MODE)"""
+    wandb_project: str = "cleanrl-agents"
+    """W&B project"""
+    save_every: int = 10
+    """checkpoint every this many updates (and at the end); 0 = only at the end"""
+    eval_every: int = 10
+    """greedy evaluation every this many updates and at the end; 0 = never"""
+    eval_games: int = 20
+    """games per evaluation split (valid_seen, valid_unseen)"""
+    resume: str = ""
+    """"" = new run, "auto" = newest checkpoint of the latest run named exp_name with this seed, or a checkpoint/run
+    path; flags that change what the run is must equal its config.json"""
+    eval_only: str = ""
+    """evaluate a checkpoint (its dir, a run dir = its newest, or "auto") into a new run dir's metrics.jsonl, and exit;
+    every flag not passed takes the run's value"""
+    threads: int = 0
+    """torch CPU threads per process (0 = OMP_NUM_THREADS if set, else the cores / the processes on this machine)"""
+    preset: str = ""
+    """named settings that become the defaults (`script.py NAME --flags`; --help lists them); flags override them"""
+    config: str = ""
+    """a JSON or YAML file of flag values that become the defaults (a run's config.json reruns it); flags override it"""
+    # ---- sampler ----
+    sampler: Literal["generate", "vllm"] = "generate"
+    """generate: model.generate() in the training process; vllm: a vLLM server you start (README: Sampling through vLLM)"""
+    kv_cache_mb: int = 8192
+    """--sampler generate: MB of KV caches kept between a branch's turns, so that a turn prefills only the tokens added
+    since the last (a branch past the budget re-prefills its history; 0 = every turn re-prefills)"""
+    sampler_url: str = ""
+    """with --sampler vllm: the server's OpenAI API root, e.g. http://localhost:8000/v1"""
+    sampler_adapter_dir: str = ""
+    """where the adapter is saved for the server to load after each update ("" = {output_dir}/sampler_adapters)"""
+    sampler_concurrency: int = 64
+    """completion requests in flight per process"""
+    sampler_timeout_s: float = 600.0
+    """one completion request's timeout (it is retried after that)"""
+    sampler_deadline_s: float = 1800.0
+    """one turn's burst of requests, retries included, must finish by then or the update fails"""
+    recompute_logprobs: bool = True
+    """with --sampler vllm: the loss's old logprobs come from a trainer forward pass, not from the server"""
+
+
+
+@dataclasses.dataclass
+class PPOArgs(SharedArgs):
+    """SharedArgs and the flags of a policy-gradient script that trains with the shared PPO-clip step (ppo_update):
+    its update loop's sizes and the loss's settings."""
+
+    # ---- the update loop and the shared PPO-clip step (ppo_update) ----
+    num_updates: int = 200
+    """policy updates (one rollout each)"""
+    groups_per_update: int = 8
+    """G: games per update (per process), one episode group each"""
+    group_size: int = 8
+    """N: episodes sampled per game (the group size)"""
+    max_turns: int = 50
+    """T: turns per episode (the rollout horizon)"""
+    clip_eps: float = 0.2
+    """PPO clip range below 1 (and above, unless --clip-eps-high is set)"""
+    clip_eps_high: float | None = None
+    """PPO clip range above 1 (clip-higher); None = --clip-eps"""
+    dual_clip_c: float | None = 3.0
+    """dual-clip PPO: the loss of a token with a negative advantage is capped at c * |A| (veRL: 3); None = off"""
+    kl_loss_coef: float = 0.0
+    """weight of the k3 KL to the base model (the adapter disabled) as a loss term (verl-agent: 0.01); 0 = off"""
+    ppo_epochs: int = 1
+    """passes over each rollout's data (old logprobs are recomputed by the policy when this or --mini-batches > 1)"""
+    mini_batches: int = 1
+    """optimizer steps per pass (the rollout's trajectories split at random)"""
+
+
 def validate_model_args(args) -> None:
     """Fail at start, naming the flag, on any shared setting that cannot work."""
     check_choices(args)
-    check_bounds(args, ">= 1", "micro_batch_tokens", "sample_batch_size", "sampler_concurrency")
+    check_bounds(args, ">= 1", "micro_batch_tokens", "sample_batch_size", "sampler_concurrency", "max_turn_tokens")
     check_bounds(args, ">= 0", "lora_rank")
     check_bounds(args, "> 0", "lora_alpha", "learning_rate", "max_grad_norm", "temperature", "sampler_timeout_s")
     check_bounds(args, "> 0", "sampler_deadline_s")
@@ -2158,6 +2306,30 @@ def validate_model_args(args) -> None:
         (
             args.sampler == "vllm" or not args.sampler_url,
             "--sampler-url is only used with --sampler vllm (the default sampler is generate)",
+        ),
+        (
+            args.max_trajectory_tokens > args.max_turn_tokens,
+            f"--max-trajectory-tokens ({args.max_trajectory_tokens}) must exceed --max-turn-tokens ({args.max_turn_tokens})",
+        ),
+    )
+
+
+def validate_ppo_args(args: PPOArgs) -> None:
+    """validate_model_args, then PPOArgs' flags: the update loop's sizes and the PPO-clip step's settings."""
+    validate_model_args(args)
+    check_bounds(args, ">= 1", "num_updates", "groups_per_update", "max_turns", "ppo_epochs")
+    check_bounds(args, ">= 1", "mini_batches")
+    check_bounds(args, "> 0", "clip_eps_high")
+    check_bounds(args, ">= 0", "kl_loss_coef")
+    check(
+        (0 < args.clip_eps < 1, f"--clip-eps must lie in (0, 1), got {args.clip_eps}"),
+        (
+            args.lora_rank > 0 or args.kl_loss_coef == 0,
+            "--kl-loss-coef needs --lora-rank >= 1 (the reference is the model with its adapter disabled)",
+        ),
+        (
+            args.dual_clip_c is None or args.dual_clip_c > 1,
+            f"--dual-clip-c must be > 1 (the loss cap is c * |A|), got {args.dual_clip_c}",
         ),
     )
 

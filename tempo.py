@@ -39,48 +39,11 @@ import common
 ALGORITHM = "tempo"
 
 
-# fork 2: the algorithm's flags in Args (keep the shared ones written out: common reads them) and validate_args
+# fork 2: the algorithm's flags in Args (common.SharedArgs / PPOArgs hold the shared ones) and validate_args
 @dataclass
-class Args:
-    # ---- model and optimisation (shared by every script) ----
-    model: str = "Qwen/Qwen3-4B-Instruct-2507"
-    """HF model id or local path; `tiny` = the offline tiny model (tests, smoke runs)"""
-    chat_template: str = ""
-    """a Jinja chat template file that replaces the model's own (as `vllm serve --chat-template`); "" = the model's"""
-    enable_thinking: bool = True
-    """passed to the chat template; --no-enable-thinking: Qwen3 hybrid models answer without reasoning (refused for
-    a template without the switch)"""
-    lora_rank: int = 32
-    """LoRA rank of the one adapter shared by actor and critic; 0 = no adapter, every weight is trained"""
-    lora_alpha: int = 64
-    """LoRA alpha (scale = alpha / rank)"""
-    lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-    """module names that get LoRA adapters"""
-    learning_rate: float = 1e-6
-    """AdamW learning rate"""
-    adam_betas: tuple[float, float] = (0.9, 0.95)
-    """AdamW betas"""
-    weight_decay: float = 0.0
-    """AdamW weight decay"""
-    max_grad_norm: float = 1.0
-    """gradient clipping threshold (global L2 norm)"""
-    temperature: float = 1.0
-    """sampling temperature (logprobs are taken at this temperature too)"""
-    top_p: float = 1.0
-    """nucleus sampling threshold"""
-    micro_batch_tokens: int = 16384
-    """token budget of one forward/backward micro-batch (rows x padded length); gradients accumulate"""
-    sample_batch_size: int = 32
-    """prompts per generate() call"""
-    # ---- data ----
-    data_root: str | None = None
-    """ALFWorld data dir holding json_2.1.1/ (None = the generated offline game set; --model tiny-agent: its games)"""
-    split: Literal["train", "valid_seen", "valid_unseen"] = "train"
-    """split the training games come from"""
-    task_types: tuple[str, ...] | None = None
-    """ALFWorld task types to train on (None = all six)"""
-    seed: int = 1
-    """seed of games order, sampling and the state store"""
+class Args(common.SharedArgs):
+    exp_name: str = ALGORITHM
+    """run name prefix: runs/{exp_name}__{seed}__{time}"""
     # ---- TEMPO ----
     macro_rounds: int = 10
     """H: turns per macro step (one TD segment)"""
@@ -159,59 +122,10 @@ class Args:
     """weight a stored state's actor advantages by p_now(prefix) / p_old(prefix)"""
     prefix_is_max_weight: float = 2.0
     """bound of the prefix importance weight: it is clipped to [1 / max, max]"""
-    max_trajectory_tokens: int = 24576
-    """token budget of one episode's prompt (a branch stops before overflowing it)"""
-    max_turn_tokens: int = 512
-    """new tokens per actor turn"""
     max_critic_tokens: int = 512
     """new tokens per critic reply (a critic prompt longer than --max-trajectory-tokens minus this is skipped)"""
     critic_step_chars: int = 1000
     """characters of each actor reply's reasoning shown to the critic (cut in the middle; the action is always shown)"""
-    # ---- runs (shared by every script) ----
-    exp_name: str = "tempo"
-    """run name prefix: runs/{exp_name}__{seed}__{time}"""
-    output_dir: str = "runs"
-    """where run directories go"""
-    track: bool = False
-    """log to Weights & Biases (mode from WANDB_MODE)"""
-    wandb_project: str = "cleanrl-agents"
-    """W&B project"""
-    save_every: int = 10
-    """checkpoint every this many updates (and at the end); 0 = only at the end"""
-    eval_every: int = 10
-    """greedy evaluation every this many updates and at the end; 0 = never"""
-    eval_games: int = 20
-    """games per evaluation split (valid_seen, valid_unseen)"""
-    resume: str = ""
-    """"" = new run, "auto" = newest checkpoint of the latest run named exp_name with this seed, or a checkpoint/run
-    path; flags that change what the run is must equal its config.json"""
-    eval_only: str = ""
-    """evaluate a checkpoint (its dir, a run dir = its newest, or "auto") into a new run dir's metrics.jsonl, and exit;
-    every flag not passed takes the run's value"""
-    threads: int = 0
-    """torch CPU threads per process (0 = OMP_NUM_THREADS if set, else the cores / the processes on this machine)"""
-    preset: str = ""
-    """named settings that become the defaults (`script.py NAME --flags`; --help lists them); flags override them"""
-    config: str = ""
-    """a JSON or YAML file of flag values that become the defaults (a run's config.json reruns it); flags override it"""
-    # ---- sampler (shared by every script) ----
-    sampler: Literal["generate", "vllm"] = "generate"
-    """generate: model.generate() in the training process; vllm: a vLLM server you start (README: Sampling through vLLM)"""
-    kv_cache_mb: int = 8192
-    """--sampler generate: MB of KV caches kept between a branch's turns, so that a turn prefills only the tokens added
-    since the last (a branch past the budget re-prefills its history; 0 = every turn re-prefills)"""
-    sampler_url: str = ""
-    """with --sampler vllm: the server's OpenAI API root, e.g. http://localhost:8000/v1"""
-    sampler_adapter_dir: str = ""
-    """where the adapter is saved for the server to load after each update ("" = {output_dir}/sampler_adapters)"""
-    sampler_concurrency: int = 64
-    """completion requests in flight per process"""
-    sampler_timeout_s: float = 600.0
-    """one completion request's timeout (it is retried after that)"""
-    sampler_deadline_s: float = 1800.0
-    """one turn's burst of requests, retries included, must finish by then or the update fails"""
-    recompute_logprobs: bool = True
-    """with --sampler vllm: the loss's old logprobs come from a trainer forward pass, not from the server"""
 
 
 def validate_args(args: Args) -> None:
@@ -220,7 +134,7 @@ def validate_args(args: Args) -> None:
         args, ">= 1", "macro_rounds", "endpoint_samples", "groups_per_update", "warmup_groups_per_update"
     )
     common.check_bounds(
-        args, ">= 1", "prefix_is_max_weight", "max_turn_tokens", "max_critic_tokens", "critic_step_chars",
+        args, ">= 1", "prefix_is_max_weight", "max_critic_tokens", "critic_step_chars",
         "ppo_epochs", "mini_batches",
     )  # fmt: skip
     common.check_bounds(args, ">= 0", "warmup_updates", "td_updates", "critic_replay")
@@ -260,10 +174,6 @@ def validate_args(args: Args) -> None:
             args.max_critic_tokens < args.max_trajectory_tokens,
             f"--max-critic-tokens ({args.max_critic_tokens}) must be below --max-trajectory-tokens "
             f"({args.max_trajectory_tokens}): critic prompt and reply share that budget",
-        ),
-        (
-            args.max_trajectory_tokens > args.max_turn_tokens,
-            f"--max-trajectory-tokens ({args.max_trajectory_tokens}) must exceed --max-turn-tokens ({args.max_turn_tokens})",
         ),
     )
 
@@ -457,7 +367,8 @@ def score_critic(prompts, replies, targets: Sequence[float], r_max: float, squar
 # Run state shared by the two phases
 # =============================================================================================
 # fork 4: Runtime: what the updates need besides common.Runtime's games, model, optimizer, protocol and samplers
-# (what a checkpoint keeps of it goes into state_dict / load_state_dict); policy_loss and ppo_update, the training call
+# (what a checkpoint keeps of it goes into state_dict / load_state_dict); the training call: common.ppo_update, or
+# the algorithm's own policy_loss and ppo_update
 class Runtime(common.Runtime):
     def __init__(self, args: Args, accelerator):
         super().__init__(args, accelerator)

@@ -523,7 +523,7 @@ def test_update_moves_logprob_with_the_advantage_sign(runtime, sign):
 
     before = generated_logprob()
     assert before == pytest.approx(sum(old_logprobs), abs=1e-3)  # sampling logprobs = teacher-forced ones
-    metrics = common.train_step(rt, [datum], adca_grpo.policy_loss)
+    metrics = common.train_step(rt, [datum], common.ppo_clip_loss)
     assert (
         metrics["train/tokens"] == sum(mask)
         and metrics["train/clip_frac"] == 0
@@ -541,7 +541,7 @@ def loss_and_grad(logprobs, old, advantages, ref=None, **config):
     }
     if ref is not None:
         batch["ref_logprobs"] = torch.tensor([ref], dtype=torch.float64)
-    loss, stats = adca_grpo.policy_loss(logprobs, batch, float(len(old)), **config)
+    loss, stats = common.ppo_clip_loss(logprobs, batch, float(len(old)), **config)
     loss.backward()
     return loss.item(), logprobs.grad[0].tolist(), stats
 

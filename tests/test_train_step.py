@@ -137,12 +137,14 @@ def test_train_step_loss_metrics_and_weights_equal_the_full_computation(trainer,
         assert torch.allclose(ours_after[key], theirs_after[key], atol=1e-6), key
 
 
-@pytest.mark.parametrize("script", ["tempo", "adca_grpo", "gigpo"])
-def test_the_training_seam_changes_nothing_for_a_loss_that_does_not_use_it(trainer, script):
-    """Each script's own policy_loss through train_step, once as the scripts run it (no head, no extra field) and
-    once with a head in the optimizer and extra per-token fields on every datum that the loss ignores: the metrics and
-    the weights after the step are bit-identical, and the unused head has not moved."""
-    loss_fn = importlib.import_module(script).policy_loss
+@pytest.mark.parametrize("loss", ["tempo.policy_loss", "common.ppo_clip_loss"])
+def test_the_training_seam_changes_nothing_for_a_loss_that_does_not_use_it(trainer, loss):
+    """A loss without a head (tempo.py's, and common.ppo_update's that gigpo.py and adca_grpo.py train with) through
+    train_step, once as the scripts run it (no head, no extra field) and once with a head in the optimizer and extra
+    per-token fields on every datum that the loss ignores: the metrics and the weights after the step are
+    bit-identical, and the unused head has not moved."""
+    module, name = loss.split(".")
+    loss_fn = getattr(importlib.import_module(module), name)
     datums, _ = random_datums(trainer, seed=4)
     start = {k: v.clone() for k, v in trainer.model.state_dict().items()}
 

@@ -138,6 +138,11 @@ def read_rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+def policy_loss(module):
+    """The script's train_step loss: its own policy_loss, or common.ppo_update's (common.ppo_clip_loss)."""
+    return getattr(module, "policy_loss", common.ppo_clip_loss)
+
+
 def checkpoints(run_dir: Path) -> list[Path]:
     return sorted((run_dir / "checkpoints").glob("update_*"))
 
@@ -305,7 +310,7 @@ def test_checkpoint_round_trip_continues_exactly(name, lora_rank, games_root, ti
             tokens, old_logprobs, step_ids = traj.sequence()
             mask = [float(k >= 0) for k in step_ids]
             datums.append(common.Datum(tokens, old_logprobs, [advantage * m for m in mask], mask))
-        metrics = common.train_step(rt, datums, module.policy_loss)
+        metrics = common.train_step(rt, datums, policy_loss(module))
         assert metrics["train/grad_norm"] > 0 and metrics["train/nonfinite_skipped"] == 0
         return [traj.tokens for traj in group]
 
@@ -338,23 +343,26 @@ def test_checkpoint_round_trip_continues_exactly(name, lora_rank, games_root, ti
 # =============================================================================================
 # --eval-only
 # =============================================================================================
+@pytest.mark.parametrize("name", SCRIPTS)
 def test_eval_only_on_a_checkpoint_same_metrics_in_every_script(
-    killed_job, games_root, tiny_model_dir, tmp_path, judge
+    name, killed_job, games_root, tiny_model_dir, tmp_path, judge
 ):
-    names = {}
-    for name, module in SCRIPTS.items():
-        _, run_dir, _ = killed_job(name)
-        checkpoint = checkpoints(run_dir)[-1]
-        values = settings(
-            name, games_root, tiny_model_dir, tmp_path / name, judge.url, eval_only=str(checkpoint), eval_games=2
-        )
-        eval_dir = module.main(module.Args(**values))
-        (row,) = read_rows(eval_dir / "metrics.jsonl")
-        assert row["update"] == total_updates(name) and row["checkpoint"] == str(checkpoint)
-        names[name] = {k for k in row if k.startswith("eval/")}
-        assert {"eval/valid_seen/success_rate", "eval/valid_unseen/invalid_action_rate"} <= names[name]
-        assert not (eval_dir / "checkpoints").exists() and len(checkpoints(run_dir)) == total_updates(name)
-    assert names["tempo"] == names["adca_grpo"] == names["gigpo"]
+    """One row of exactly common.evaluate's metrics for the games evaluated: the same names in every script."""
+    module, (_, run_dir, _) = SCRIPTS[name], killed_job(name)
+    checkpoint = checkpoints(run_dir)[-1]
+    values = settings(name, games_root, tiny_model_dir, tmp_path, judge.url, eval_only=str(checkpoint), eval_games=2)
+    eval_dir = module.main(module.Args(**values))
+    (row,) = read_rows(eval_dir / "metrics.jsonl")
+    assert row["update"] == total_updates(name) and row["checkpoint"] == str(checkpoint)
+    expected = {"eval/train/success_rate"}
+    for split in ("valid_seen", "valid_unseen"):
+        task_types = {common.load_task_type(game) for game in common.eval_subset(str(games_root), split, None, 2)}
+        expected |= {f"eval/{split}/{key}" for key in ("success_rate", "invalid_action_rate")}
+        expected |= {f"eval/{split}/success/{task_type}" for task_type in task_types}
+        if row[f"eval/{split}/success_rate"] > 0:
+            expected.add(f"eval/{split}/mean_steps_to_success")
+    assert {k for k in row if k.startswith("eval/")} == expected
+    assert not (eval_dir / "checkpoints").exists() and len(checkpoints(run_dir)) == total_updates(name)
 
 
 # =============================================================================================
@@ -443,8 +451,12 @@ def test_bad_checkpoint_fails_at_start(
 def test_checkpoint_of_the_other_algorithm_fails_at_start(
     name, killed_job, games_root, tiny_model_dir, tmp_path, judge
 ):
+    """The script's own checkpoint with another algorithm's name in its trainer_state.json."""
     other = "adca_grpo" if name == "tempo" else "tempo"
-    checkpoint = checkpoints(killed_job(other)[1])[-1]
+    checkpoint = tmp_path / "other" / "update_000001"
+    shutil.copytree(checkpoints(killed_job(name)[1])[-1], checkpoint)
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    (checkpoint / "trainer_state.json").write_text(json.dumps({**state, "algorithm": other}))
     module = SCRIPTS[name]
     for flag in ("resume", "eval_only"):
         with pytest.raises(ValueError, match=f"checkpoint of '{other}'; this script trains '{name}'"):
@@ -676,7 +688,7 @@ def test_nonfinite_loss_skips_the_step(name, games_root, tiny_model_dir, tmp_pat
     def train(advantage):
         before = {n: p.detach().clone() for n, p in rt.model.named_parameters() if p.requires_grad}
         datum = common.Datum(tokens, old_logprobs, [advantage * m for m in mask], mask)
-        metrics = common.train_step(rt, [datum], module.policy_loss)
+        metrics = common.train_step(rt, [datum], policy_loss(module))
         changed = any(not torch.equal(before[n], p) for n, p in rt.model.named_parameters() if p.requires_grad)
         return metrics, changed
 

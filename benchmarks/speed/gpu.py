@@ -146,7 +146,7 @@ def measure_train_step(run_args, parameters: int, tflops: float) -> dict:
     turns, branches = run_args.max_turns, run_args.group_size
     trajectories = [t for group in rt.play(starts, branches, horizon=turns, max_turns=turns) for t in group]
     signs = [[1.0 if i % 2 else -1.0] * len(t.steps) for i, t in enumerate(trajectories)]
-    loss = functools.partial(adca_grpo.policy_loss, clip_eps=0.2, clip_eps_high=0.28)
+    loss = functools.partial(common.ppo_clip_loss, clip_eps=0.2, clip_eps_high=0.28)
     datums = common.trajectory_datums(trajectories, signs)
     reset_peak_memory()
     start = time.perf_counter()
