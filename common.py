@@ -3154,11 +3154,28 @@ RENAMED_FLAGS = {
 }
 
 
+# Flags removed from a script because they lost (docs/does-it-learn.md keeps their figures): name -> (the value every
+# run without the flag had, the commit that last had it). A file holding one at that value still loads (the key is
+# dropped, with a note); at another value it is refused: that run needs the commit.
+REMOVED_FLAGS = {
+    "critic_replay": (0, "3d8e148"),  # tempo.py
+    "critic_replay_capacity": (512, "3d8e148"),  # tempo.py
+    "critic_coef": (1.0, "3d8e148"),  # tempo.py
+    "critic_baseline": ("state", "3d8e148"),  # tempo.py
+}
+
+
 def renamed_flags(values: dict, source: str, note: bool = True) -> dict:
-    """`values` (flag name -> value, from a file) with every old name of RENAMED_FLAGS read as its new one(s); a
-    note on stderr names them. A file holding both a flag's old and new name is refused."""
+    """`values` (flag name -> value, from a file) with every old name of RENAMED_FLAGS read as its new one(s) and
+    every REMOVED_FLAGS key at its old value dropped; a note on stderr names them. A file holding both a flag's old and
+    new name, or a removed flag at another value, is refused."""
     renamed, notes = {}, []
     for key, value in values.items():
+        if key in REMOVED_FLAGS:
+            default, commit = REMOVED_FLAGS[key]
+            check((value == default, f"{source}: {key} = {value!r} is no longer a flag; that run needs commit {commit}"))
+            notes.append(f"{key} dropped (removed; it held its only value, {default!r})")
+            continue
         new = RENAMED_FLAGS.get(key)
         if new is None:
             renamed[key] = value
