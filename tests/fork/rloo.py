@@ -59,8 +59,7 @@ Runtime = common.Runtime  # RLOO needs nothing else; common.ppo_update trains it
 def rloo_update(rt: Runtime) -> tuple[dict, list[dict]]:
     args, t0 = rt.args, time.time()
     # ---- step 1: roll out G games x N full episodes (one group per game)
-    starts = [rt.next_game_start() for _ in range(args.groups_per_update)]
-    groups = rt.play(starts, args.group_size, horizon=args.max_turns, max_turns=args.max_turns)
+    groups = rt.rollout_groups()  # --async-steps K: sampled ahead, at most K versions behind
     episodes = [traj for group in groups for traj in group]
     t_rollout = time.time()
 
