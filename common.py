@@ -3140,7 +3140,8 @@ def load_checkpoint(path: Path, model, optimizer, accelerator, heads: torch.nn.M
             )
         heads.load_state_dict(saved)
     if optimizer is not None:
-        saved = torch.load(path / "optimizer.pt", weights_only=True, map_location=accelerator.device)
+        # mmap: each process reads only what it keeps (its shard); load_state_dict moves the state to the parameters'
+        saved = torch.load(path / "optimizer.pt", weights_only=True, map_location="cpu", mmap=True)
         params = [p for group in optimizer.param_groups for p in group["params"]]
         saved["state"] = {
             i: {k: placed_like(v, params[i]) if v.shape == params[i].shape else v for k, v in state.items()}
