@@ -50,7 +50,6 @@ import textworld.gym
 import textworld.logic
 import torch
 import tyro
-from torch.distributed.tensor import DTensor
 from alfworld.agents.utils.misc import Demangler
 from textworld.envs.pddl import logic as pddl_logic
 from textworld.envs.pddl.textgen import (
@@ -64,6 +63,7 @@ from textworld.envs.pddl.textgen import (
     _parse_and_convert as _parse_symbols_uncached,
 )
 from textworld.generator.game import EntityInfo
+from torch.distributed.tensor import DTensor
 
 import offline
 from offline import DEFAULT_CACHE_DIR, TASK_TYPES  # the cache of generated games and built models
@@ -2331,7 +2331,6 @@ class SharedArgs:
     """with --sampler vllm: the loss's old logprobs come from a trainer forward pass, not from the server"""
 
 
-
 @dataclasses.dataclass
 class PPOArgs(SharedArgs):
     """SharedArgs and the flags of a policy-gradient script that trains with the shared PPO-clip step (ppo_update):
@@ -3122,7 +3121,9 @@ def load_checkpoint(path: Path, model, optimizer, accelerator, heads: torch.nn.M
     for unit in fsdp_modules(policy):  # --fsdp: the shards are the weights; gathered again below
         unit.reshard()
     ours = trained_weights(policy)
-    weights = {name: placed_like(tensor, ours[name]) for name, tensor in load_file(str(path / weights_file(lora))).items()}
+    weights = {
+        name: placed_like(tensor, ours[name]) for name, tensor in load_file(str(path / weights_file(lora))).items()
+    }
     if lora:
         set_peft_model_state_dict(policy, weights)
     else:
@@ -3338,8 +3339,9 @@ def config_file_args(path: str, default, keep: Sequence[str] = (), strict: bool 
 
 
 def evaluated_run_args(args):
-    """args with every field but resume, eval_only, output_dir and threads taken from the config.json of the run
-    that --eval-only names (args unchanged when it has none: startup_checks() then says what is missing)."""
+    """args with every field but resume, eval_only, output_dir, threads and fsdp (how this launch runs) taken from the
+    config.json of the run that --eval-only names (args unchanged when it has none: startup_checks() then says what is
+    missing)."""
     with startup_errors():
         checkpoint = find_checkpoint(args.eval_only, args.output_dir, args.exp_name, args.seed, "--eval-only")
     config_file = checkpoint.parent.parent / "config.json" if checkpoint is not None else None
@@ -3347,7 +3349,7 @@ def evaluated_run_args(args):
         return args
     with startup_errors():
         return config_file_args(
-            str(config_file), args, keep=("resume", "eval_only", "output_dir", "threads"), strict=False
+            str(config_file), args, keep=("resume", "eval_only", "output_dir", "threads", "fsdp"), strict=False
         )
 
 

@@ -848,17 +848,17 @@ def test_fsdp_first_update_equals_one_unsharded_process(lora_rank, tmp_path):
 
 
 def launch_killed(name, values: dict, tmp_path: Path, after: int) -> str:
-    """A 2-process job SIGKILLed (every process of it) once checkpoint `after` exists and the next update has played
-    its first turn; returns its stderr."""
-    stderr_path = tmp_path / f"killed_{uuid.uuid4().hex[:6]}.stderr"
+    """A 2-process job SIGKILLed (the launcher and both workers, found by a marker in their environment: torchrun
+    starts each worker in its own session) once checkpoint `after` exists and the next update has played its first
+    turn; returns its stderr."""
+    marker, stderr_path = uuid.uuid4().hex, tmp_path / f"killed_{name}.stderr"
     command = [str(Path(sys.executable).parent / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2"]
     command += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(ROOT / f"{name}.py")]
-    env = job_env(OMP_NUM_THREADS="1")
+    env = job_env(OMP_NUM_THREADS="1", TRAINING_JOB_MARKER=marker)
     with open(stderr_path, "w") as stderr:
         job = subprocess.Popen(
-            [*command, *cli(values)], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=stderr,
-            start_new_session=True,
-        )  # fmt: skip
+            [*command, *cli(values)], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=stderr
+        )
     started = re.compile(rf"\[checkpoint\][^\n]*update_{after:06d}.*rollout: 1turn", re.DOTALL)
     deadline = time.monotonic() + 240
     try:
@@ -866,13 +866,17 @@ def launch_killed(name, values: dict, tmp_path: Path, after: int) -> str:
             assert job.poll() is None and time.monotonic() < deadline, stderr_path.read_text()[-3000:]
             time.sleep(0.05)
     finally:
-        os.killpg(job.pid, signal.SIGKILL)  # the launcher and both workers, as a crashed node would
+        for process in psutil.process_iter():
+            with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                if process.environ().get("TRAINING_JOB_MARKER") == marker:
+                    process.kill()
         job.wait(timeout=30)
     return stderr_path.read_text()
 
 
-# Every script with LoRA; killed and resumed: TEMPO (its per-process store) and ppo.py with full weights and a value head
-FSDP_JOBS = [(name, 4, name == "tempo") for name in SCRIPTS] + [("ppo", 0, True)]
+# Every script with LoRA; killed and resumed: ADCA-GRPO (the judge's labels train its adapter) and ppo.py with full
+# weights and a value head
+FSDP_JOBS = [(name, 4, name == "adca_grpo") for name in SCRIPTS] + [("ppo", 0, True)]
 
 
 @pytest.mark.parametrize("name, lora_rank, kill", FSDP_JOBS)
@@ -883,12 +887,18 @@ def test_fsdp_two_process_job(name, lora_rank, kill, games_root, tiny_model_dir,
     monkeypatch.setenv(JUDGE_KEY_ENV, "not-a-secret")  # inherited by the job
     with judge_endpoint() if name == "adca_grpo" else contextlib.nullcontext() as judge:
         url = judge.url if judge else ""
-        straight = settings(name, games_root, tiny_model_dir, tmp_path / "straight", url, lora_rank=lora_rank, fsdp=True)
+        straight = settings(
+            name, games_root, tiny_model_dir, tmp_path / "straight", url, lora_rank=lora_rank, fsdp=True
+        )
         result, leftovers = launch(name, straight, tmp_path)
         assert result.returncode == 0 and not leftovers, result.stderr[-5000:]
         if kill:
             killed = {**straight, "output_dir": str(tmp_path / "killed")}
             launch_killed(name, killed, tmp_path, kill_after(name))
+            (killed_dir,) = (tmp_path / "killed").iterdir()
+            assert [c.name for c in checkpoints(killed_dir)] == [
+                f"update_{u:06d}" for u in range(1, kill_after(name) + 1)
+            ]
             resumed, leftovers = launch(name, {**killed, "resume": "auto"}, tmp_path)
             assert resumed.returncode == 0 and not leftovers, resumed.stderr[-5000:]
             assert f"resumed {tmp_path / 'killed'}" in resumed.stderr
@@ -904,7 +914,8 @@ def test_fsdp_two_process_job(name, lora_rank, kill, games_root, tiny_model_dir,
     assert result.stderr.count("identical on 2 process(es)") == n
     optimizer = [torch.load(c / "optimizer.pt", weights_only=True)["state"] for c in final]
     trained = sum(v.numel() for v in weights[0].values())
-    assert sum(s["exp_avg"].numel() for s in optimizer[0].values()) >= trained  # whole, not one rank's shard
+    if optimizer[0]:  # TEMPO's test budget trains nothing (its tiny groups are degenerate): no state yet
+        assert sum(s["exp_avg"].numel() for s in optimizer[0].values()) >= trained  # whole, not one rank's shard
     if lora_rank == 0:  # the checkpoint is a transformers model directory
         from transformers import AutoModelForCausalLM
 
@@ -921,4 +932,4 @@ def test_fsdp_two_process_job(name, lora_rank, kill, games_root, tiny_model_dir,
     for index in optimizer[0]:
         for key in ("exp_avg", "exp_avg_sq", "step"):
             torch.testing.assert_close(optimizer[1][index][key], optimizer[0][index][key], rtol=1e-5, atol=1e-9)
-    assert any(r["train/grad_norm"] > 0 for r in rows[0])  # it trained
+    assert optimizer[0] and any(r["train/grad_norm"] > 0 for r in rows[0])  # it trained

@@ -3,12 +3,13 @@ a random Qwen2-shaped model at 1 process (unsharded) and 2 processes (--fsdp), a
 + Adam) / N, and the update's loss, gradient norm and weights, which must agree across the two (the same global
 batch: each process trains its half).
 
-    python -m benchmarks.speed.fsdp_memory                 # ~90M parameters: the states dominate
+    python -m benchmarks.speed.fsdp_memory                 # ~95M parameters: the states dominate
     python -m benchmarks.speed.fsdp_memory --size toy      # the tiny model (tests/test_training_job.py runs this)
 
-Each run is fresh processes (`accelerate launch --multi_gpu` for 2). Memory is resident set size, sampled every 2 ms
-by a thread, above the process's own before the model loads, in two phases: the update (forward, backward, optimizer
-step) and the gather that follows it (under --fsdp every process then holds the whole weights again, for sampling)."""
+Each run is fresh processes (`accelerate launch --multi_gpu` for 2). Memory is resident set size (glibc told to return
+every freed block of 1 MiB or more at once), sampled every 2 ms by a thread, above the process's own before the model
+loads (on a GPU also torch's peak allocation), in two phases: the update (forward, backward, optimizer step) and the
+gather that follows it (under --fsdp every process then holds the whole weights again, for sampling)."""
 
 from __future__ import annotations
 
@@ -26,9 +27,9 @@ from pathlib import Path
 import tyro
 
 ROOT = Path(__file__).resolve().parents[2]
-SIZES = {  # hidden, intermediate, layers, heads, kv heads
-    "toy": (64, 128, 2, 4, 2),
-    "large": (1024, 2816, 8, 16, 2),  # ~90M parameters: 1.4 GB of fp32 weights, gradients and Adam per process
+SIZES = {  # hidden, intermediate, layers (offline.build_tiny_model: 4 heads, 2 KV heads, tied embeddings)
+    "toy": (64, 128, 2),
+    "large": (1024, 2816, 8),  # ~95M parameters: 1.5 GB of fp32 weights, gradients and Adam in one process
 }
 
 
@@ -50,8 +51,8 @@ class Args:
     """0 = full weights (the measured case); > 0 = a LoRA adapter (the first-update test)"""
 
 
-class PeakRss:
-    """The process's resident set size, sampled by a thread; peak() since the last mark()."""
+class PeakMemory:
+    """The process's resident set size, sampled by a thread, and on a GPU torch's peak allocation, per phase."""
 
     def __init__(self):
         import psutil
@@ -65,11 +66,16 @@ class PeakRss:
             self.peak_bytes = max(self.peak_bytes, self.process.memory_info().rss)
             time.sleep(0.002)
 
-    def mark(self) -> int:
-        """Starts a new phase; returns the peak of the one that ended."""
+    def mark(self) -> tuple[int, int]:
+        """Starts a new phase; returns the peaks (RSS, GPU) of the one that ended."""
+        import torch
+
         time.sleep(0.01)
         peak, self.peak_bytes = self.peak_bytes, self.process.memory_info().rss
-        return peak
+        gpu = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        return peak, gpu
 
 
 def measure(args: Args) -> None:
@@ -82,13 +88,13 @@ def measure(args: Args) -> None:
     import common
 
     torch.manual_seed(0)
-    rss = PeakRss()
+    rss = PeakMemory()
     accelerator = common.make_accelerator()
     run_args = common.PPOArgs(
         model=args.worker, lora_rank=args.lora_rank, lora_alpha=2 * max(args.lora_rank, 1), learning_rate=1e-3,
         micro_batch_tokens=args.tokens, fsdp=accelerator.num_processes > 1, dual_clip_c=None,
     )  # fmt: skip
-    before = rss.mark()
+    before, _ = rss.mark()
     tokenizer, model, optimizer = common.load_model(run_args, accelerator)
     rt = types.SimpleNamespace(
         args=run_args, accelerator=accelerator, tokenizer=tokenizer, model=model, optimizer=optimizer,
@@ -111,7 +117,7 @@ def measure(args: Args) -> None:
         gathered(policy)
 
     common.gather_weights = gather_after_update
-    loaded = rss.mark()
+    loaded, _ = rss.mark()
     metrics = common.train_step(rt, mine, common.ppo_clip_loss)
     phases["gather"] = rss.mark()
     common.gather_weights = gathered
@@ -119,6 +125,7 @@ def measure(args: Args) -> None:
     weights = {k: v.detach().cpu().contiguous() for k, v in common.trained_weights(policy).items()}
     parameters = sum(p.numel() for p in policy.parameters())  # gathered: the whole model
     trained = sum(v.numel() for v in weights.values())
+    state_bytes = 4 * trained * next(policy.parameters()).element_size()  # weights, gradients, 2 Adam moments
     result = {
         "processes": accelerator.num_processes,
         "rank": accelerator.process_index,
@@ -129,9 +136,11 @@ def measure(args: Args) -> None:
         "weights_sha256": common.adapter_sha256(weights),
         "baseline_gb": before / 1e9,
         "loaded_gb": (loaded - before) / 1e9,
-        "update_peak_gb": (phases["update"] - before) / 1e9,
-        "after_gather_peak_gb": (phases["gather"] - before) / 1e9,
-        "floor_gb": (4 * trained * 4) / accelerator.num_processes / 1e9,  # fp32 weights, gradients, 2 Adam moments
+        "update_peak_gb": (phases["update"][0] - before) / 1e9,
+        "after_gather_peak_gb": (phases["gather"][0] - before) / 1e9,
+        "floor_gb": state_bytes / accelerator.num_processes / 1e9,
+        "update_peak_gpu_gb": phases["update"][1] / 1e9,  # 0 on CPU
+        "after_gather_peak_gpu_gb": phases["gather"][1] / 1e9,
     }
     out = Path(args.out)
     (out / f"rank{accelerator.process_index}.json").write_text(json.dumps(result))
@@ -153,6 +162,7 @@ def run(args: Args, model_dir: Path, processes: int, out: Path) -> list[dict]:
                    str(processes), "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                    "-m", __spec__.name, *flags]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
+    env["MALLOC_MMAP_THRESHOLD_"] = str(2**20)  # freed tensors go back to the OS at once, so RSS follows them
     result = subprocess.run(["timeout", "-k", "10", "900", *command], capture_output=True, text=True, env=env, cwd=ROOT)
     if result.returncode != 0:
         raise RuntimeError(f"{processes} process(es) failed:\n{result.stderr[-4000:]}")
@@ -163,11 +173,8 @@ def build_model(size: str, model_dir: Path) -> None:
     """A random Qwen2 of the size, with the tiny model's tokenizer (and vocabulary)."""
     import offline
 
-    hidden, intermediate, layers, heads, kv_heads = SIZES[size]
+    hidden, intermediate, layers = SIZES[size]
     offline.build_tiny_model(model_dir, hidden_size=hidden, intermediate_size=intermediate, num_layers=layers)
-    config = json.loads((model_dir / "config.json").read_text())
-    if (config["num_attention_heads"], config["num_key_value_heads"]) != (heads, kv_heads):
-        raise ValueError(f"offline.build_tiny_model's heads changed: {config}; update SIZES")
 
 
 def main(args: Args) -> dict:
