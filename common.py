@@ -2693,6 +2693,8 @@ class Run:
             load_checkpoint(resumed, rt.model, rt.optimizer, job.accelerator, rt.heads)  # last: the RNG states as saved
             if job.accelerator.is_main_process:
                 print(f"resumed {resumed} (update {self.done} of {total_updates})", file=sys.stderr)
+        elif self.evaluates(0):  # the policy a new run starts from, as row 0: its curves begin where training does
+            self.log(0, evaluate(rt, job.args.max_turns))
 
     def updates(self) -> range:
         """The updates still to run."""
@@ -2704,7 +2706,8 @@ class Run:
         return reduce_metrics(self.job.accelerator, metrics)
 
     def evaluates(self, update: int) -> bool:
-        """Whether an evaluation follows this update: every --eval-every and after the last (with --eval-games)."""
+        """Whether an evaluation follows this update (0: before the first): every --eval-every and after the last
+        (with --eval-games)."""
         args = self.job.args
         return bool(args.eval_every and args.eval_games) and (
             update == self.total_updates or update % args.eval_every == 0
@@ -2944,7 +2947,7 @@ class RunLogger:
                 else {}
             )
             self.wandb.log({**numeric, **table}, step=update)
-        self.bar.update(1)
+        self.bar.update(1 if update else 0)  # row 0 (the start's evaluation) is no update
         for key in (k for k in self.postfix_keys if k in numeric):
             self.recent[key].append(numeric[key])
         # means over the last 4 updates: one update's 16 episodes are too noisy to show a trend
@@ -3285,11 +3288,28 @@ RENAMED_FLAGS = {
 }
 
 
+# Flags removed from a script because they lost (docs/does-it-learn.md keeps their figures): name -> (the value every
+# run without the flag had, the commit that last had it). A file holding one at that value still loads (the key is
+# dropped, with a note); at another value it is refused: that run needs the commit.
+REMOVED_FLAGS = {
+    "critic_replay": (0, "3d8e148"),  # tempo.py
+    "critic_replay_capacity": (512, "3d8e148"),  # tempo.py
+    "critic_coef": (1.0, "3d8e148"),  # tempo.py
+    "critic_baseline": ("state", "3d8e148"),  # tempo.py
+}
+
+
 def renamed_flags(values: dict, source: str, note: bool = True) -> dict:
-    """`values` (flag name -> value, from a file) with every old name of RENAMED_FLAGS read as its new one(s); a
-    note on stderr names them. A file holding both a flag's old and new name is refused."""
+    """`values` (flag name -> value, from a file) with every old name of RENAMED_FLAGS read as its new one(s) and
+    every REMOVED_FLAGS key at its old value dropped; a note on stderr names them. A file holding both a flag's old and
+    new name, or a removed flag at another value, is refused."""
     renamed, notes = {}, []
     for key, value in values.items():
+        if key in REMOVED_FLAGS:
+            default, commit = REMOVED_FLAGS[key]
+            check((value == default, f"{source}: {key} = {value!r} is no longer a flag; that run needs commit {commit}"))
+            notes.append(f"{key} dropped (removed; it held its only value, {default!r})")
+            continue
         new = RENAMED_FLAGS.get(key)
         if new is None:
             renamed[key] = value

@@ -86,28 +86,14 @@ class Args(common.SharedArgs):
     answers only 0 or 1 values every state certain)"""
     r_max: float = 1.0
     """normaliser of the critic reward -|V - G| / r_max (a parse failure counts as the largest error, 1)"""
-    critic_replay: int = 0
-    """phase 2: warm-up states re-scored per TD update against their Monte-Carlo returns (0: none, the source), so
-    the critic keeps seeing real outcomes while its TD targets are its own values"""
-    critic_replay_capacity: int = 512
-    """FIFO capacity of the warm-up states kept for --critic-replay"""
     critic_error: Literal["abs", "squared"] = "abs"
     """critic reward -|V - G| / r_max (the source; its best answer is G's median: 0 or 1 for 0/1 outcomes) or
     squared, -((V - G) / r_max)^2 (its best answer is G's mean: the state's value)"""
-    critic_coef: float = 1.0
-    """weight of the critic's datums in the update it shares with the actor (their advantages are scaled by it; one
-    LoRA learns both): 1 = the source's equal weight; 0.3 did not stop the critic's answers collapsing at long
-    horizon (docs/does-it-learn.md)"""
     td_critic: bool = True
     """phase 2 trains the critic towards its TD targets (the source); --no-td-critic keeps the critic as phase 1 left
     it, sampled for endpoint values only (the actor's updates of the shared LoRA still move it): at long horizon it
     then kept its ranking of held-out states, which TD training lowered, but the actor did no better
     (docs/does-it-learn.md)"""
-    critic_baseline: Literal["state", "batch"] = "state"
-    """what the critic's rewards are centred on: the mean of the K answers on the same state (the source; a state
-    whose K answers agree teaches nothing, so a critic that answers "0" everywhere stays there) or the mean over all
-    answers scored together (an update's start states), so answers that agree but miss their target still move; batch
-    did not stop the critic's drift to "0" at long horizon (docs/does-it-learn.md)"""
     clip_eps: float | None = None
     """PPO clip range below 1 (and above, unless --clip-eps-high is set); None = the source's plain importance-sampling
     policy gradient (Tinker style). The clip acts only from an update's second optimizer step (--ppo-epochs,
@@ -137,7 +123,7 @@ def validate_args(args: Args) -> None:
         args, ">= 1", "prefix_is_max_weight", "max_critic_tokens", "critic_step_chars",
         "ppo_epochs", "mini_batches",
     )  # fmt: skip
-    common.check_bounds(args, ">= 0", "warmup_updates", "td_updates", "critic_replay")
+    common.check_bounds(args, ">= 0", "warmup_updates", "td_updates")
     common.check_bounds(args, "> 0", "r_max", "clip_eps_high")
     common.check(
         (
@@ -149,20 +135,14 @@ def validate_args(args: Args) -> None:
             f"--uncertain-band needs 0 <= lo < hi <= 1, got {args.uncertain_band}",
         ),
         (args.uncertain_floor >= 0, f"--uncertain-floor must be >= 0, got {args.uncertain_floor}"),
-        (args.critic_coef > 0, f"--critic-coef must be > 0 (0 would never train the critic), got {args.critic_coef}"),
-        (
-            args.td_critic or not args.critic_replay,
-            "--critic-replay trains the critic in phase 2: not with --no-td-critic",
-        ),
         (
             args.max_turns >= 1 and (args.eval_only or args.max_turns % args.macro_rounds == 0),
             f"--max-turns ({args.max_turns}) must be a positive multiple of --macro-rounds ({args.macro_rounds})",
         ),
         (args.group_size >= 2, f"--group-size must be >= 2 (advantages compare branches), got {args.group_size}"),
         (
-            args.critic_samples >= 2 or args.critic_baseline == "batch",
-            f"--critic-samples must be >= 2 (rewards are centred within them; or --critic-baseline batch), got "
-            f"{args.critic_samples}",
+            args.critic_samples >= 2,
+            f"--critic-samples must be >= 2 (rewards are centred within them), got {args.critic_samples}",
         ),
         (args.warmup_updates + args.td_updates >= 1, "--warmup-updates + --td-updates must be >= 1"),
         (
@@ -342,20 +322,15 @@ def critic_datum(prompt: list[int], reply: common.Completion, advantage: float) 
     return common.Datum(prompt + reply.tokens, context + reply.logprobs, context + [advantage] * n, context + [1.0] * n)
 
 
-def score_critic(prompts, replies, targets: Sequence[float], r_max: float, squared=False, coef=1.0, baseline="state"):
+def score_critic(prompts, replies, targets: Sequence[float], r_max: float, squared=False):
     """The critic's replies to each state's prompt scored against the state's target G: per state the parsed values,
-    then all critic datums, trained with the rewards (critic_signals) centred by `baseline` ("state": within each
-    state's K replies; "batch": over every reply scored here) times `coef`. A state without replies (prompt over
-    budget) or whose centred rewards are all 0 teaches nothing and gives no datum."""
+    then all critic datums, trained with the rewards (critic_signals) centred within each state's K replies. A state
+    without replies (prompt over budget) or whose centred rewards are all 0 teaches nothing and gives no datum."""
     values = [[parse_value(r.text) for r in group] for group in replies]
     scored = [critic_signals(v, g, r_max, squared) if v else ([], []) for v, g in zip(values, targets)]
     advantages = [centred for _, centred in scored]
-    if baseline == "batch":
-        rewards = [r for group_rewards, _ in scored for r in group_rewards]
-        mean = statistics.fmean(rewards) if rewards else 0.0
-        advantages = [[r - mean for r in group_rewards] for group_rewards, _ in scored]
     datums = [
-        critic_datum(prompt, reply, a * coef)
+        critic_datum(prompt, reply, a)
         for prompt, group, group_advantages in zip(prompts, replies, advantages)
         if group_advantages and not is_degenerate(group_advantages)
         for reply, a in zip(group, group_advantages)
@@ -376,21 +351,18 @@ class Runtime(common.Runtime):
             args.state_store_capacity, args.state_selection, args.uncertain_band, args.group_size, args.uncertain_floor
         )
         self.rng = random.Random(args.seed + accelerator.process_index)  # state-store sampling (saved in checkpoints)
-        self.replay: deque[tuple[list[int], float]] = deque(maxlen=args.critic_replay_capacity)  # (prompt, MC return)
 
     def state_dict(self) -> dict:
-        """What a checkpoint keeps of this process: the game cursor, the store, its sampling RNG, the critic replay."""
+        """What a checkpoint keeps of this process: the game cursor, the store, its sampling RNG."""
         return super().state_dict() | {
             "rng": list(self.rng.getstate()),
             "store": [[s.to_json(), value] for s, value in self.store.entries],
-            "replay": list(self.replay),
         }
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
         self.rng.setstate((state["rng"][0], tuple(state["rng"][1]), state["rng"][2]))
         self.store.entries.extend((common.SavedState.from_json(saved), value) for saved, value in state["store"])
-        self.replay.extend((prompt, target) for prompt, target in state.get("replay", []))  # none before 2026-12-02
 
     def critic_prompt(self, game_file: str, task: str, messages, round_index: int) -> list[int] | None:
         """The critic prompt of a state; None when it leaves no room for a reply in --max-trajectory-tokens
@@ -442,10 +414,8 @@ def sample_critic(rt: Runtime, requests: Sequence[tuple[list[int] | None, int]])
 
 
 def score_critic_by_flags(rt: Runtime, prompts, replies, targets: Sequence[float]):
-    """score_critic with the run's --r-max, --critic-error, --critic-coef and --critic-baseline."""
-    args = rt.args
-    squared = args.critic_error == "squared"
-    return score_critic(prompts, replies, targets, args.r_max, squared, args.critic_coef, args.critic_baseline)
+    """score_critic with the run's --r-max and --critic-error."""
+    return score_critic(prompts, replies, targets, rt.args.r_max, rt.args.critic_error == "squared")
 
 
 def critic_metrics(values_per_state, targets: Sequence[float], corr_key: str) -> dict:
@@ -505,11 +475,8 @@ def warmup_update(rt: Runtime) -> tuple[dict, list[dict]]:
             else:
                 states.append((traj, prompt, 1.0 if traj.won else 0.0))
     prompts, targets = [prompt for _, prompt, _ in states], [target for _, _, target in states]
-    if args.critic_replay:  # kept for phase 2 (and in checkpoints) only when it is used
-        rt.replay.extend(zip(prompts, targets))
 
     # ---- Phase 1, step 3: K critic samples per boundary state, reward -|V - G| / r_max centred within the K
-    # (--critic-baseline batch: over all the update's states)
     replies = sample_critic(rt, [(prompt, args.critic_samples) for prompt in prompts])
     values, datums = score_critic_by_flags(rt, prompts, replies, targets)
     t_critic = time.time()
@@ -583,11 +550,6 @@ def td_update(rt: Runtime) -> tuple[dict, list[dict]]:
     # (--no-td-critic: none sampled, no critic datums)
     targets = [target for _, target, _ in signals]
     start_values, critic_datums = score_critic_by_flags(rt, critic.start_prompts, critic.start_replies, targets)
-    # (--critic-replay) and on warm-up states drawn from the replay, towards their Monte-Carlo returns
-    replayed = rt.rng.sample(list(rt.replay), min(args.critic_replay, len(rt.replay)))
-    replay_prompts, replay_targets = [prompt for prompt, _ in replayed], [target for _, target in replayed]
-    replay_replies = sample_critic(rt, [(prompt, args.critic_samples) for prompt in replay_prompts])
-    replay_values, replay_datums = score_critic_by_flags(rt, replay_prompts, replay_replies, replay_targets)
 
     # ---- Phase 2, step 6: one update, actor datums (saved prefix + segment) and critic datums (prompt + reply)
     datums = []
@@ -597,14 +559,40 @@ def td_update(rt: Runtime) -> tuple[dict, list[dict]]:
             datums += common.trajectory_datums(group, [[a * scale] * len(t.steps) for t, a in zip(group, advantages)])
     t_critic = time.time()
     actor_tokens = sum(sum(d.mask) for d in datums)
-    datums += critic_datums + replay_datums
+    datums += critic_datums
     metrics = common.refresh_old_logprobs(rt, datums, always=args.ppo_epochs * args.mini_batches > 1)
     metrics |= ppo_update(rt, datums)
     t_update = time.time()
 
-    # ---- Phase 2, step 7: endpoints with room for another turn (and a critic prompt within budget, so they can be
-    # valued again; under source any) go back into the store, with their value, if --state-selection keeps them;
-    # under outcome only a group with a gradient continues: its endpoints, and its start state (valued G) drawn again
+    # ---- Phase 2, step 7: the endpoints (and under outcome the start states) that --state-selection keeps go back
+    # into the store
+    stored, starts_kept = store_continuations(rt, live_starts, critic, signals)
+
+    metrics |= td_metrics(live_groups, critic, signals, weights, start_values)
+    metrics |= store_metrics(rt.store, args.max_turns // args.macro_rounds, args.macro_rounds)
+    metrics |= {
+        "actor/trained_tokens": common.Count(actor_tokens),
+        "td/fresh_states": common.Count(fresh),
+        "td/new_endpoints": common.Count(stored),
+        "td/endpoints_left_out": common.Count(len(critic.endpoints) - stored),
+        "td/starts_kept": common.Count(starts_kept),
+        "td/oracle_generated_tokens": common.Count(critic.oracle_tokens),
+        "td/restore_failures": common.Count(len(starts) - len(live_starts)),
+        "td/macro_index_mean": statistics.fmean(s.round_index / args.macro_rounds for s in starts),
+        **({"td/start_value_mean": statistics.fmean(value for _, value in taken)} if taken else {}),
+        "time/rollout": t_rollout - t0,
+        "time/critic": t_critic - t_rollout,
+        "time/update": t_update - t_critic,
+    }
+    return metrics, td_samples(live_groups, critic, signals)
+
+
+def store_continuations(rt: Runtime, live_starts, critic: CriticPass, signals) -> tuple[int, int]:
+    """Endpoints with room for another turn (and a critic prompt within budget, so they can be valued again; under
+    source any) go back into the store, with their value, if --state-selection keeps them; under outcome only a group
+    with a gradient continues: its endpoints, and its start state (valued G) drawn again. Returns (endpoints stored,
+    start states kept)."""
+    args = rt.args
     gradient = [not is_degenerate(advantages) for _, _, advantages in signals]
     outcome, source = args.state_selection == "outcome", args.state_selection == "source"
     endpoints = zip(critic.endpoints, critic.endpoint_prompts, critic.endpoint_values, critic.endpoint_groups)
@@ -617,29 +605,7 @@ def td_update(rt: Runtime) -> tuple[dict, list[dict]]:
     kept_starts = [(s, g) for s, (_, g, _), kept in zip(live_starts, signals, gradient) if kept] if outcome else []
     for state, value in kept_starts:
         rt.store.add(state, value)
-
-    metrics |= td_metrics(live_groups, critic, signals, weights, start_values)
-    metrics |= store_metrics(rt.store, args.max_turns // args.macro_rounds, args.macro_rounds)
-    if replayed:  # the critic on real outcomes, as phase 1 measured it (critic/value_corr)
-        replay = critic_metrics(replay_values, replay_targets, "critic/value_corr")
-        metrics |= {"critic/replay_" + k.removeprefix("critic/"): v for k, v in replay.items()}
-        replay_tokens = sum(len(r.tokens) for group in replay_replies for r in group)
-        metrics["critic/generated_tokens"] = common.Count(critic.generated_tokens + replay_tokens)
-    metrics |= {
-        "actor/trained_tokens": common.Count(actor_tokens),
-        "td/fresh_states": common.Count(fresh),
-        "td/new_endpoints": common.Count(stored),
-        "td/endpoints_left_out": common.Count(len(critic.endpoints) - stored),
-        "td/starts_kept": common.Count(len(kept_starts)),
-        "td/oracle_generated_tokens": common.Count(critic.oracle_tokens),
-        "td/restore_failures": common.Count(len(starts) - len(live_starts)),
-        "td/macro_index_mean": statistics.fmean(s.round_index / args.macro_rounds for s in starts),
-        **({"td/start_value_mean": statistics.fmean(value for _, value in taken)} if taken else {}),
-        "time/rollout": t_rollout - t0,
-        "time/critic": t_critic - t_rollout,
-        "time/update": t_update - t_critic,
-    }
-    return metrics, td_samples(live_groups, critic, signals)
+    return stored, len(kept_starts)
 
 
 @dataclass

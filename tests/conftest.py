@@ -19,14 +19,15 @@ def pytest_addoption(parser):
     parser.addoption(
         "--script",
         metavar="NAME",
-        help="run only the tests of the algorithm script NAME.py: the cases every script gets (layout, presets and "
-        "config files, its docs page's commands, the training jobs), none of another script",
+        help="run only the tests of the algorithm script NAME.py: its own tests/test_NAME.py and the cases every "
+        "script gets (layout, presets and config files, its docs page's commands, the training jobs), none of another "
+        "script",
     )
 
 
 def pytest_collection_modifyitems(config, items):
-    """--script NAME: keep the tests parametrized with that script (its name, NAME.py, its module, a pair holding it,
-    or its docs page docs/NAME.md) and deselect the rest."""
+    """--script NAME: keep tests/test_NAME.py and the tests parametrized with that script (its name, NAME.py, its
+    module, a pair holding it, or its docs page docs/NAME.md); deselect the rest."""
     name = config.getoption("--script")
     if not name:
         return
@@ -36,7 +37,12 @@ def pytest_collection_modifyitems(config, items):
             return any(names_it(v) for v in value)
         return value in (name, f"{name}.py", f"docs/{name}.md") or getattr(value, "__name__", None) == name
 
-    keep = [item for item in items if hasattr(item, "callspec") and any(map(names_it, item.callspec.params.values()))]
+    keep = [
+        item
+        for item in items
+        if item.path.name == f"test_{name}.py"
+        or (hasattr(item, "callspec") and any(map(names_it, item.callspec.params.values())))
+    ]
     config.hook.pytest_deselected(items=[item for item in items if item not in keep])
     items[:] = keep
 

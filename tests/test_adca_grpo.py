@@ -693,7 +693,8 @@ def test_smoke_self_labeler(games_root, tiny_model_dir, tmp_path):
             labeler_log_dir=str(tmp_path / "labels"),
         )
     )
-    rows = read_metrics(run_dir)
+    start, *rows = read_metrics(run_dir)
+    assert start["update"] == 0 and "eval/train/success_rate" in start  # the start's evaluation, before update 1
     assert [r["update"] for r in rows] == [1, 2] and {r["labeler"] for r in rows} == {"self"}
     for row in rows:
         assert row["prm/label_requests"] == 4 and row["prm/label_failures"] == 0

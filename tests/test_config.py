@@ -84,6 +84,19 @@ OLD_CONFIGS = {
 }
 
 
+def test_a_config_with_a_removed_flag_loads_at_its_old_value_and_is_refused_at_another(tmp_path, capsys):
+    """common.REMOVED_FLAGS: a run's config.json from before a flag was removed reruns when the flag held the value
+    every run without it has; at another value the run needs the commit that had the flag, and the error names it."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"seed": 4, "critic_replay": 0, "critic_coef": 1.0}))
+    assert parsed(tempo, ["--config", str(config)]).seed == 4
+    assert "critic_replay dropped" in capsys.readouterr().err
+    config.write_text(json.dumps({"critic_replay": 8}))
+    with pytest.raises(SystemExit):
+        parsed(tempo, ["--config", str(config)])
+    assert "critic_replay = 8 is no longer a flag; that run needs commit 3d8e148" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("module", OLD_CONFIGS)
 def test_a_config_with_the_old_flag_names_loads_under_the_new_ones(module, tmp_path, capsys):
     old, new = OLD_CONFIGS[module]

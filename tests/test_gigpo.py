@@ -340,7 +340,8 @@ def test_smoke_observation_anchors_then_resume(games_root, tiny_model_dir, tmp_p
         games_root, tiny_model_dir, tmp_path, anchor="observation", invalid_action_penalty=0.01, eval_every=2
     )
     run_dir = gigpo.main(args)
-    rows = read_rows(run_dir / "metrics.jsonl")
+    start, *rows = read_rows(run_dir / "metrics.jsonl")
+    assert start["update"] == 0 and "eval/valid_seen/success_rate" in start  # the start's evaluation
     assert [r["update"] for r in rows] == [1, 2] and {r["anchor"] for r in rows} == {"observation"}
     for row in rows:
         assert row["train/tokens"] == row["rollout/generated_tokens"] > 0
@@ -356,7 +357,7 @@ def test_smoke_observation_anchors_then_resume(games_root, tiny_model_dir, tmp_p
     with pytest.raises(common.StartupError, match=r"--anchor state \(the run: observation\)"):
         gigpo.main(gigpo.Args(**{**vars(args), "resume": "auto", "anchor": "state"}))
     resumed = gigpo.main(gigpo.Args(**{**vars(args), "num_updates": 3, "resume": "auto"}))
-    assert resumed == run_dir and [r["update"] for r in read_rows(run_dir / "metrics.jsonl")] == [1, 2, 3]
+    assert resumed == run_dir and [r["update"] for r in read_rows(run_dir / "metrics.jsonl")] == [0, 1, 2, 3]
     state = json.loads((run_dir / "checkpoints" / "update_000003" / "trainer_state.json").read_text())
     assert state["algorithm"] == "gigpo" and state["update"] == 3 and state["anchor"] == "observation"
 

@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = [f"{name}.py" for name in NAMES]  # found by algorithm_scripts.py
 PROJECT_MODULES = {p.stem for p in ROOT.glob("*.py")} | {"benchmarks", "tests"}
 FORK_MARK = re.compile(r"^# fork (\d): (.*)$", re.M)
+MAX_UPDATE_LINES = 70  # an update function read in one screen
 MAX_SHARED_RUN = 25  # identical lines in a row that two scripts may share (more belongs in common.py)
 
 
@@ -177,6 +178,13 @@ def test_a_script_declares_only_its_algorithm_flags(name):
         assert fields[field][0] == shared[field][0] and fields[field][1] != shared[field][1], (
             f"{name} declares the shared flag {field} as common.py does: leave it to common.py"
         )
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_every_update_function_reads_in_one_screen(name):
+    tree = ast.parse((ROOT / name).read_text())
+    updates = {n.name: n.end_lineno - n.lineno + 1 for n in tree.body if isinstance(n, ast.FunctionDef)}
+    assert {k: v for k, v in updates.items() if k.endswith("_update") and v > MAX_UPDATE_LINES} == {}
 
 
 @pytest.mark.parametrize("name", SCRIPTS)

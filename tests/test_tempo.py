@@ -182,10 +182,9 @@ def test_a_parse_failure_scores_exactly_like_the_worst_parsed_answer(r_max):
     assert tempo.is_degenerate(advantages)
 
 
-def test_a_batch_baseline_trains_a_state_whose_answers_agree_but_miss():
-    """The collapse the source's baseline cannot leave: a state whose K answers are all "0" while its target is 0.5
-    gets no datum when rewards are centred within the K, and datums pushing "0" down when they are centred over the
-    batch (the other state, answered right, pulls its answers up); the metric still counts the agreeing state."""
+def test_a_state_whose_answers_agree_teaches_nothing():
+    """The source's baseline: a state whose K answers are all "0" while its target is 0.5 gets no datum (its rewards
+    are centred within the K); the other state's answers train; the metric still counts the agreeing state."""
 
     def replies(*answers):
         return [common.Completion([7], [-0.5], f"<value>{a}</value>") for a in answers]
@@ -195,13 +194,8 @@ def test_a_batch_baseline_trains_a_state_whose_answers_agree_but_miss():
     values, datums = tempo.score_critic(prompts, answers, targets, 1.0)
     assert values == [[0.0, 0.0, 0.0], [0.0, 0.0, 0.2]]
     assert [d.tokens[:2] for d in datums] == [[3, 4]] * 3  # the agreeing state teaches nothing
-    values, datums = tempo.score_critic(prompts, answers, targets, 1.0, coef=0.5, baseline="batch")
-    mean = statistics.fmean([-0.5, -0.5, -0.5, 0.0, 0.0, -0.2])
-    assert [d.tokens[:2] for d in datums] == [[1, 2]] * 3 + [[3, 4]] * 3
-    assert [trained_advantages(d)[0] for d in datums] == pytest.approx(
-        [0.5 * (r - mean) for r in [-0.5, -0.5, -0.5, 0.0, 0.0, -0.2]]
-    )
-    assert all(trained_advantages(d)[0] < 0 for d in datums[:3])
+    mean = statistics.fmean([0.0, 0.0, -0.2])
+    assert [trained_advantages(d)[0] for d in datums] == pytest.approx([r - mean for r in [0.0, 0.0, -0.2]])
     metrics = tempo.critic_metrics(values, targets, "critic/value_corr")
     assert metrics["critic/degenerate_group_rate"] == 0.5
 
@@ -223,8 +217,6 @@ def test_a_batch_baseline_trains_a_state_whose_answers_agree_but_miss():
         (dict(clip_eps=0.2, clip_eps_high=0.0), "--clip-eps-high"),
         (dict(mini_batches=0), "--mini-batches"),
         (dict(fresh_state_share=1.5), "--fresh-state-share"),
-        (dict(critic_coef=0.0), "--critic-coef"),
-        (dict(td_critic=False, critic_replay=2), "--critic-replay"),
         (dict(max_trajectory_tokens=512, max_turn_tokens=512), "--max-trajectory-tokens"),
         (dict(max_critic_tokens=24576), "--max-critic-tokens"),
         (dict(critic_step_chars=0), "--critic-step-chars"),
@@ -584,15 +576,12 @@ def check_td_wiring(rt, seen, groups, datums, weight=1.0) -> dict:
         expected["critic"].append((start_values, target))
         rewards = [-e / rt.args.r_max for e in tempo.critic_errors(start_values, target)]
         critic_states.append(([d for d in datums if d.tokens[: len(start_tokens)] == start_tokens], rewards))
-    batch_mean = statistics.fmean(r for _, rewards in critic_states for r in rewards)
     for critic_datums, rewards in critic_states:
-        baseline = batch_mean if rt.args.critic_baseline == "batch" else statistics.fmean(rewards)
+        baseline = statistics.fmean(rewards)
         if tempo.is_degenerate([r - baseline for r in rewards]):
             assert not critic_datums
         else:
-            assert [trained_advantages(d)[0] for d in critic_datums] == pytest.approx(
-                [(r - baseline) * rt.args.critic_coef for r in rewards]
-            )
+            assert [trained_advantages(d)[0] for d in critic_datums] == pytest.approx([r - baseline for r in rewards])
     return expected
 
 
@@ -688,20 +677,12 @@ def test_warmup_values_every_boundary_state_against_its_trajectorys_outcome(runt
     assert samples and samples[0]["critic_reply"]
 
 
-@pytest.mark.parametrize("critic_coef, critic_baseline", [(1.0, "state"), (0.25, "state"), (1.0, "batch")])
-def test_td_update_wiring_numbers(runtime, monkeypatch, critic_coef, critic_baseline):
+def test_td_update_wiring_numbers(runtime, monkeypatch):
     """Each actor datum's advantage is R_n - G of its group; an endpoint's value is the mean of its parsed
-    samples (0 when all fail); critic datums carry their rewards centred within the state's K or over the update's
-    states (times --critic-coef, the actor's unscaled); the metrics are these numbers (the critic's: of the unscaled
-    rewards)."""
+    samples (0 when all fail); critic datums carry their rewards centred within the state's K; the metrics are these
+    numbers."""
     sizes = dict(groups_per_update=3, group_size=3, critic_samples=4, endpoint_samples=2)
-    rt = runtime(
-        state_selection="uncertain",
-        uncertain_band=(0.05, 0.95),
-        critic_coef=critic_coef,
-        critic_baseline=critic_baseline,
-        **sizes,
-    )
+    rt = runtime(state_selection="uncertain", uncertain_band=(0.05, 0.95), **sizes)
     rt.sample_fn, seen = scored_script(rt)
     budgets = dict(horizon=2, max_turns=4, max_turn_tokens=24, max_trajectory_tokens=4096)
     (segment,) = common.rollout([rt.next_game_start()], 1, rt.sample_fn, rt.protocol, **budgets)
@@ -846,44 +827,6 @@ def test_no_td_critic_values_endpoints_and_trains_only_the_actor(runtime, monkey
     assert "critic/degenerate_group_rate" in trained and "critic/degenerate_group_rate" not in frozen
 
 
-def test_critic_replay_rescores_warmup_states_against_their_returns(runtime, monkeypatch):
-    """--critic-replay: phase 1 keeps each boundary state's (critic prompt, 0/1 return); a TD update draws that many,
-    samples K critic replies on each and trains them with the centred -|V - return| beside its own critic datums;
-    a checkpoint keeps the replay."""
-    sizes = dict(critic_samples=4, endpoint_samples=2, groups_per_update=1, group_size=2, warmup_groups_per_update=2)
-    rt = runtime(critic_replay=2, **sizes)
-    rt.sample_fn, seen = scored_script(rt, patterns=PARSED_PATTERNS)
-    metrics, _ = tempo.warmup_update(rt)
-    assert len(rt.replay) == metrics["warmup/boundary_states"] and {g for _, g in rt.replay} <= {0.0, 1.0}
-    assert all(tempo.CRITIC_SYSTEM_PROMPT in rt.tokenizer.decode(prompt) for prompt, _ in rt.replay)
-    restored = runtime(critic_replay=2)
-    restored.load_state_dict(json.loads(json.dumps(rt.state_dict())))
-    assert list(restored.replay) == list(rt.replay)
-
-    # two replay states with known returns, the TD start a stored mid-episode state (its prompt differs from both)
-    starts = [rt.next_game_start() for _ in range(2)]
-    replay = [(critic_text(rt, s, s.messages, 0)[0], g) for s, g in zip(starts, (1.0, 0.0))]
-    assert replay[0][0] != replay[1][0]
-    rt.replay.clear()
-    rt.replay.extend(replay)
-    budgets = dict(horizon=2, max_turns=4, max_turn_tokens=24, max_trajectory_tokens=4096)
-    (segment,) = common.rollout([rt.next_game_start()], 1, rt.sample_fn, rt.protocol, **budgets)
-    rt.store.add(segment[0].saved_state(), 0.5)
-    rollouts, updates = record_rollouts_and_updates(rt, monkeypatch)
-    metrics, _ = tempo.td_update(rt)
-    (groups,), (datums,) = rollouts, updates
-    check_td_wiring(rt, seen, groups, datums)  # the TD update's own datums are unchanged
-    errors = []
-    for prompt, target in replay:
-        values = pattern_values(seen, rt.tokenizer.decode(prompt), 4)
-        rewards = [-e for e in tempo.critic_errors(values, target)]
-        trained = [trained_advantages(d)[0] for d in datums if d.tokens[: len(prompt)] == prompt]
-        assert trained == pytest.approx([r - statistics.fmean(rewards) for r in rewards])
-        errors += [-r for r in rewards]
-    assert metrics["critic/replay_abs_error_mean"] == pytest.approx(statistics.fmean(errors))
-    assert metrics["critic/replay_value_target_mean"] == 0.5
-
-
 @pytest.mark.parametrize(
     "log_ratio, weight", [(math.log(1.5), 1.5), (-math.log(1.5), 1 / 1.5), (3.0, 2.0), (-3.0, 0.5)]
 )
@@ -946,8 +889,7 @@ def test_critic_prompts_over_budget_are_skipped_counted_and_never_sent(runtime):
 @pytest.fixture(scope="module")
 def smoke_run(games_root, tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("runs")
-    # every endpoint stored (the source's rule): the untrained model's groups are all degenerate, so the default
-    # (outcome) would store none
+    # every endpoint stored: the untrained model's groups are all degenerate, so the default (outcome) would store none
     args = small_args(games_root, tiny_model_dir, out, eval_every=10, state_selection="uniform")
     run_dir = tempo.main(args)
     return args, run_dir
@@ -955,7 +897,8 @@ def smoke_run(games_root, tiny_model_dir, tmp_path_factory):
 
 def test_smoke_run_second_td_update_consumes_stored_states(smoke_run):
     args, run_dir = smoke_run
-    rows = read_metrics(run_dir)
+    start, *rows = read_metrics(run_dir)
+    assert start["update"] == 0 and "eval/train/success_rate" in start  # the start's evaluation, before update 1
     assert [r["update"] for r in rows] == [1, 2, 3] and [r["phase"] for r in rows] == ["warmup", "td", "td"]
     warmup, td1, td2 = rows
     assert warmup["warmup/boundary_states"] == 2 * 2 and "critic/parse_failure_rate" in warmup
@@ -985,8 +928,8 @@ def test_resume_continues_the_run(smoke_run, tmp_path):
     args = tempo.Args(**{**vars(args), "td_updates": 3, "resume": "auto", "eval_every": 0})
     assert tempo.main(args) == run_dir
     rows = read_metrics(run_dir)
-    assert [r["update"] for r in rows] == [1, 2, 3, 4]
-    assert rows[3]["td/fresh_states"] == 0  # the store came back with the checkpoint (2 states were left)
+    assert [r["update"] for r in rows] == [0, 1, 2, 3, 4]
+    assert rows[4]["td/fresh_states"] == 0  # the store came back with the checkpoint (2 states were left)
     state = json.loads((run_dir / "checkpoints" / "update_000004" / "trainer_state.json").read_text())
     assert state["algorithm"] == "tempo" and state["update"] == 4
 

@@ -600,7 +600,7 @@ def test_eval_game_that_fails_to_load_mid_run_is_skipped_not_fatal(games_root, t
     Path(bad).write_text(json.dumps({**data, "grammar": data["grammar"].replace(";", "", 3)}))
     values = settings("tempo", games_root, tiny_model_dir, tmp_path / "runs", data_root=str(data_root))
     run_dir = tempo.main(tempo.Args(**{**values, "warmup_updates": 1, "td_updates": 0, "eval_every": 1}))
-    (row,) = read_rows(run_dir / "metrics.jsonl")
+    _, row = read_rows(run_dir / "metrics.jsonl")  # the start's evaluation, then update 1's
     assert row["eval/valid_seen/bad_games_skipped"] == 1 and "eval/valid_seen/success_rate" not in row
     assert "eval/valid_unseen/success_rate" in row  # the other split was evaluated
     assert f"[eval] WARNING: skipped a game that does not load: {bad}" in capfd.readouterr().err

@@ -192,7 +192,8 @@ def detectable_difference(n_a: int, n_b: int, sd: float, level: float = 0.95, po
 
 
 def pooled_sd(a: Sequence[float], b: Sequence[float]) -> float:
-    return math.sqrt(((len(a) - 1) * statistics.variance(a) + (len(b) - 1) * statistics.variance(b)) / (len(a) + len(b) - 2))
+    squares = (len(a) - 1) * statistics.variance(a) + (len(b) - 1) * statistics.variance(b)
+    return math.sqrt(squares / (len(a) + len(b) - 2))
 
 
 def bracket(estimate: tuple[float, float, float]) -> str:
@@ -248,7 +249,8 @@ def summarise(results: dict, arms: Sequence[str], reference: str = "grpo") -> st
                 reach = f"{hit:,.0f} ({hit / ref_tokens:.0%})" if hit is not None else "not reached"
             if name != reference and len(finals) > 1 and len(ref_finals) > 1:
                 vs_reference = bracket(difference_interval(finals, ref_finals))
-                detectable = f"{detectable_difference(len(finals), len(ref_finals), pooled_sd(finals, ref_finals)):.2f}"
+                spread = pooled_sd(finals, ref_finals)
+                detectable = f"{detectable_difference(len(finals), len(ref_finals), spread):.2f}"
         std = statistics.stdev(finals) if len(finals) > 1 else 0.0
         mid = f"{statistics.fmean(mids):.2f}" if len(mids) == len(runs) else "-"
         greedy = statistics.fmean(success(r["points"][-1], "greedy") for r in runs)
@@ -269,21 +271,13 @@ def check_poolable(name: str, runs: Sequence[dict]) -> None:
     """Refuse to pool runs under one arm name whose recorded flags differ beyond the run's identity (the seed, its
     names and folders), or that started from different warm starts; runs without provenance are not checked (the
     table says they lack it)."""
-    recorded = [r for r in runs if r.get("provenance")]
-    for field in ("config", "warm_start_sha256"):
-        values = {}
-        for r in recorded:
-            value = r["provenance"][field]
-            if field == "config":
-                value = {k: v for k, v in value.items() if k not in RUN_IDENTITY_FIELDS}
-            values.setdefault(json.dumps(value, sort_keys=True), []).append(r["seed"])
-        if len(values) > 1:
-            configs = [json.loads(v) for v in values]
-            differing = sorted({k for c in configs for k in c if any(c.get(k) != o.get(k) for o in configs)}) if field == "config" else [field]
-            raise ValueError(
-                f"arm {name!r}: its runs differ beyond the seed in {differing} (seeds by value: {list(values.values())});"
-                " give them different arm names"
-            )
+    recorded = [r["provenance"] for r in runs if r.get("provenance")]
+    configs = [{k: v for k, v in p["config"].items() if k not in RUN_IDENTITY_FIELDS} for p in recorded]
+    differing = sorted({k for c in configs for k in c if any(c.get(k) != other.get(k) for other in configs)})
+    if len({p["warm_start_sha256"] for p in recorded}) > 1:
+        differing.append("warm_start_sha256")
+    if differing:
+        raise ValueError(f"arm {name!r}: its runs differ beyond the seed in {differing}; give them different arm names")
 
 
 def run_provenance(run: Path, warm_sha256: str) -> dict:
@@ -301,10 +295,6 @@ def directory_sha256(path: Path) -> str:
         digest.update(str(file.relative_to(path)).encode())
         digest.update(file.read_bytes())
     return digest.hexdigest()
-
-
-def end_episodes(point: dict) -> int:
-    return len(point["sampled"]) * point["episodes"]
 
 
 def critic_tokens_until(run: dict, update: int) -> float:
@@ -438,6 +428,7 @@ def plot(results: dict, out: Path, arms: Sequence[str]) -> None:
     fig.savefig(out / "learning.png", dpi=120)
     plt.close(fig)
 
+    critic_panel(results, out, arms)
     tempo_runs = [r for r in results["runs"].values() if r["algorithm"].startswith("tempo")]
     if tempo_runs:
         keys = (  # the critic's warm-up targets, then the README's four TD-phase signals
@@ -461,6 +452,37 @@ def plot(results: dict, out: Path, arms: Sequence[str]) -> None:
         fig.tight_layout()
         fig.savefig(out / "tempo_critic.png", dpi=120)
         plt.close(fig)
+
+
+def critic_panel(results: dict, out: Path, arms: Sequence[str]) -> None:
+    """critic_panel.png: each TEMPO arm's generative critic against true V of the held-out states (Pearson r, mean over
+    seeds) at each evaluation point, beside the "Nothing happens." count's r on the same states, the reference line a
+    critic should beat (--critic-eval points only)."""
+    import matplotlib.pyplot as plt
+
+    def r_at(points: list[dict], critic_name: str) -> float | None:
+        rs = [p["critic"][critic_name]["r"] for p in points if p["critic"][critic_name]["r"] is not None]
+        return statistics.fmean(rs) if rs else None
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    drawn = False
+    for name in (n for n in arms if n.startswith("tempo")):
+        points = [p for r in results["runs"].values() if r["algorithm"] == name for p in r["points"] if "critic" in p]
+        updates = sorted({p.get("update", 0) for p in points})
+        color = None
+        for critic_name, style in (("generative", "-o"), ("nothing_count", ":x")):
+            curve = [(u, r_at([p for p in points if p.get("update", 0) == u], critic_name)) for u in updates]
+            curve = [(u, r) for u, r in curve if r is not None]
+            if curve:
+                (line,) = ax.plot(*zip(*curve), style, color=color, label=f"{name}: {critic_name.replace('_', ' ')}")
+                color, drawn = line.get_color(), True
+    if drawn:
+        ax.set_xlabel("update (0: the warm start)")
+        ax.set_ylabel("r against true V (held-out states)")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / "critic_panel.png", dpi=120)
+    plt.close(fig)
 
 
 def save(results_file: Path, results: dict, ours: set[str]) -> None:

@@ -62,20 +62,9 @@ ALGORITHMS = {
     "tempo_ppo": ("tempo.py", ["--learning-rate", "1e-4", "--clip-eps", "0.2", "--clip-eps-high", "0.28"]),
     # PPO clipping where it acts: 4 optimizer steps per update (mini-batches), at the shared lr
     "tempo_ppo4": ("tempo.py", ["--clip-eps", "0.2", "--clip-eps-high", "0.28", "--mini-batches", "4"]),
-    # the critic also re-scored on 8 warm-up states per TD update against their Monte-Carlo returns
-    "tempo_replay": ("tempo.py", ["--critic-replay", "8"]),
-    # both critic levers: the squared error (the mean, not the median) on TD targets and on the replayed MC returns
-    "tempo_squared_replay": ("tempo.py", ["--critic-error", "squared", "--critic-replay", "8"]),
-    # the critic's datums at 0.3x the actor's weight in the shared update (at lr 3e-4 for both the critic held, the
-    # actor did not learn)
-    "tempo_slow_critic": ("tempo.py", ["--critic-coef", "0.3"]),
-    # the critic's rewards centred over the update's states, not within each state's K answers (a state whose
-    # answers agree still teaches), with the default store and with the band rule
-    "tempo_batch_critic": ("tempo.py", ["--critic-baseline", "batch"]),
-    "tempo_band_batch_critic": (
-        "tempo.py",
-        [*UNCERTAIN_BAND, "--critic-baseline", "batch"],
-    ),
+    # Removed with their flags, which lost (docs/does-it-learn.md keeps their figures; tempo.py at commit 3d8e148 has
+    # them): tempo_replay (--critic-replay 8), tempo_squared_replay (--critic-error squared --critic-replay 8),
+    # tempo_slow_critic (--critic-coef 0.3), tempo_batch_critic and tempo_band_batch_critic (--critic-baseline batch)
     # the band's lower edge only: endpoints the critic calls hopeless (< 0.05) left out, the floor kept, so sure
     # states (a 0/1 critic's 1s) are still drawn; the default from 2026-12-02 until outcome (measured under this name)
     "tempo_lower_band": ("tempo.py", ["--state-selection", "uncertain", "--uncertain-band", "0.05", "1.0"]),
