@@ -1768,11 +1768,15 @@ def teacher_forced(
     wanted = attention_mask.bool() if needed is None else needed.to(device).bool() & attention_mask.bool()
     wanted[:, 0] = False
     model = causal_lm(policy)  # peft: LoRA layers inside
-    # Through the causal LM (FSDP's root: it gathers the weights of a sharded model), logits at one position only.
-    output = model(
-        input_ids=input_ids, attention_mask=attention_mask, use_cache=False, output_hidden_states=True, logits_to_keep=1
-    )
-    hidden = output.hidden_states[-1]  # after the final norm: the decoder's last_hidden_state
+    # Called through the causal LM (under --fsdp its root, which manages the embeddings' and lm_head's shards) with
+    # logits at one position only; the decoder's last hidden states are taken on the way (not every layer's).
+    decoded = []
+    hook = model.get_decoder().register_forward_hook(lambda module, args, out: decoded.append(out.last_hidden_state))
+    try:
+        model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=1)
+    finally:
+        hook.remove()
+    (hidden,) = decoded
     row_index, column = wanted.nonzero(as_tuple=True)
     states, targets = hidden[row_index, column - 1], input_ids[row_index, column]  # state t-1 predicts token t
     head = model.get_output_embeddings()
