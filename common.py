@@ -1966,11 +1966,12 @@ def clip_gradients(params: list[torch.nn.Parameter], max_norm: float) -> float:
     shards = [p.grad for p in params if p.grad is not None and isinstance(p.grad, DTensor)]
     if not shards:
         return torch.nn.utils.clip_grad_norm_(params, max_norm).item()
-    whole = [p.grad for p in params if p.grad is not None and not isinstance(p.grad, DTensor)]
-    norms = [torch.nn.utils.get_total_norm(shards).full_tensor()] + [torch.nn.utils.get_total_norm(whole)] * bool(whole)
+    replicated = [p.grad for p in params if p.grad is not None and not isinstance(p.grad, DTensor)]
+    norms = [torch.nn.utils.get_total_norm(shards).full_tensor()]
+    norms += [torch.nn.utils.get_total_norm(replicated)] if replicated else []
     norm = torch.linalg.vector_norm(torch.stack(norms)).item()
     coefficient = min(max_norm / (norm + 1e-6), 1.0)  # clip_grad_norm_'s
-    for grad in shards + whole:
+    for grad in shards + replicated:
         grad.mul_(coefficient)
     return norm
 
@@ -2038,12 +2039,12 @@ def train_step(rt, datums: list[Datum], loss_fn: LossFn) -> dict:
         for name, value in stats.items():
             stat_sums[name] = stat_sums.get(name, 0.0) + float(value)
     names = sorted(stat_sums)
-    whole = [p for p in params if not isinstance(p, DTensor)]  # --fsdp: the shards' gradients are summed already
-    if accelerator.num_processes > 1 and whole:
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in whole])
+    replicated = [p for p in params if not isinstance(p, DTensor)]  # --fsdp: the shards' gradients are summed already
+    if accelerator.num_processes > 1 and replicated:
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in replicated])
         torch.distributed.all_reduce(flat)
         offset = 0
-        for p in whole:
+        for p in replicated:
             p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
             offset += p.numel()
     if accelerator.num_processes > 1:
