@@ -65,6 +65,7 @@ from textworld.envs.pddl.textgen import (
     _parse_and_convert as _parse_symbols_uncached,
 )
 from textworld.generator.game import EntityInfo
+from torch.distributed.tensor import DTensor
 
 import offline
 from offline import DEFAULT_CACHE_DIR, TASK_TYPES  # the cache of generated games and built models
@@ -1191,14 +1192,70 @@ def load_model(args, accelerator, heads: torch.nn.Module | None = None):
     if accelerator.num_processes > 1:
         for tensor in heads.state_dict().values():
             torch.distributed.broadcast(tensor, 0)
+    if args.fsdp:
+        shard(model.to(accelerator.device), accelerator)
     optimizer = torch.optim.AdamW(
-        trained_parameters(model, heads),
+        trained_parameters(model, heads),  # under --fsdp the policy's are its shards (DTensors)
         lr=args.learning_rate,
         betas=tuple(args.adam_betas),
         weight_decay=args.weight_decay,
     )
-    model, optimizer = accelerator.prepare(model, optimizer)
+    if args.fsdp:  # not DDP-wrapped: FSDP2 already reduces the gradients
+        optimizer = accelerator.prepare(optimizer)
+        gather_weights(model)
+    else:
+        model, optimizer = accelerator.prepare(model, optimizer)
     return tokenizer, model, optimizer
+
+
+def causal_lm(policy):
+    """The transformers model inside a peft model (the policy itself with --lora-rank 0): what generate() runs."""
+    return policy.get_base_model() if hasattr(policy, "get_base_model") else policy
+
+
+def shard(policy, accelerator) -> None:
+    """--fsdp: PyTorch's FSDP2 (fully_shard) on the process group accelerate set up: each transformer block is one
+    unit, then the causal LM (embeddings, final norm, lm_head) the root, so that generate(), which calls the causal LM,
+    enters through the root. Every weight, gradient and AdamW state is split over the processes; gradients are summed
+    (not averaged: the loss is already a mean over every process's tokens), with plain sums, which gloo also has."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    root = causal_lm(policy)
+    layers = getattr(root.get_decoder(), "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise ValueError(f"--fsdp: {type(root).__name__} keeps no list of transformer blocks at .layers to shard")
+    mesh = init_device_mesh(accelerator.device.type, (accelerator.num_processes,))
+    for module in [*layers, root]:
+        fully_shard(module, mesh=mesh)
+        module.set_gradient_divide_factor(1.0)
+        module.set_force_sum_reduction_for_comms(True)
+
+
+def fsdp_modules(policy) -> list:
+    """The policy's FSDP2 units (none without --fsdp): the root first, then the blocks."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return [module for module in policy.modules() if isinstance(module, FSDPModule)]
+
+
+def gather_weights(policy) -> None:
+    """--fsdp: every process all-gathers the whole weights and keeps them until the next training step, so sampling,
+    no-grad logprob passes, checkpoints and the vLLM adapter sync run in each process alone as without FSDP (their
+    forward passes differ in number per process, and a sharded forward is a collective). A collective itself: called
+    where every process is (start, after each optimizer step, after a checkpoint load). No-op without --fsdp."""
+    units = fsdp_modules(policy)
+    for module in units:
+        module.unshard()
+        module.set_reshard_after_forward(False, recurse=False)
+    if units:  # the gathered copies' own write counters stay put: weights_version counts gathers
+        policy.weights_gathered = getattr(policy, "weights_gathered", 0) + 1
+
+
+def weights_version(policy) -> int:
+    """A number that changes whenever the weights do: torch counts in-place writes per tensor (optimizer steps,
+    checkpoint loads), and gather_weights counts the gathers that bring a sharded update in."""
+    return getattr(policy, "weights_gathered", 0) + sum(p._version for p in policy.parameters())
 
 
 def model_config(model: str):
@@ -1292,7 +1349,7 @@ class GenerateSampler:
         policy = self.accelerator.unwrap_model(self.model)
         was_training = policy.training
         policy.eval()
-        version = sum(p._version for p in policy.parameters())  # bumped by every in-place write: optimizer, load
+        version = weights_version(policy)
         kept = self.kept if version == self.weights_version else []
         self.kept, self.kept_bytes = [], 0  # a cache this call does not extend is freed: its branch has stopped
         self.weights_version = version
@@ -1347,6 +1404,7 @@ class GenerateSampler:
             logits_processor=LogitsProcessorList([recorder]),
             pad_token_id=self.pad_id,
             eos_token_id=self.stops,
+            synced_gpus=False,  # under --fsdp the weights are gathered (gather_weights): each process samples alone
         )
         return sequences[:, input_ids.shape[1] :], recorder.logprobs(sequences)
 
@@ -1547,7 +1605,7 @@ class ServerSampler:
         the last call (torch counts in-place writes per tensor: optimizer steps, checkpoint loads) or the server
         no longer serves it (it was restarted)."""
         policy = self.accelerator.unwrap_model(self.model)
-        version = sum(p._version for p in policy.parameters() if p.requires_grad)
+        version = weights_version(policy)
         served = {card["id"] for card in self._served_models()}
         if version == self.weights_version and self.adapter_name in served:
             return
@@ -1555,7 +1613,7 @@ class ServerSampler:
         name = f"{self.args.exp_name}-{self.args.lora_alpha}-{digest[:16]}"
         if self.accelerator.is_main_process:
             if name not in served:
-                policy.save_pretrained(str(self.adapter_dir / name))
+                save_adapter(policy, self.adapter_dir / name)
                 self._load_adapter(name)
             self.loaded = [kept for kept in self.loaded if kept != name] + [name]
             while len(self.loaded) > self.args.async_steps + 1:
@@ -1758,8 +1816,16 @@ def teacher_forced(
     attention_mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows], device=device)
     wanted = attention_mask.bool() if needed is None else needed.to(device).bool() & attention_mask.bool()
     wanted[:, 0] = False
-    model = policy.get_base_model() if hasattr(policy, "get_base_model") else policy  # peft: LoRA layers inside
-    hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    model = causal_lm(policy)  # peft: LoRA layers inside
+    # Called through the causal LM (under --fsdp its root, which manages the embeddings' and lm_head's shards) with
+    # logits at one position only; the decoder's last hidden states are taken on the way (not every layer's).
+    decoded = []
+    hook = model.get_decoder().register_forward_hook(lambda module, args, out: decoded.append(out.last_hidden_state))
+    try:
+        model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=1)
+    finally:
+        hook.remove()
+    (hidden,) = decoded
     row_index, column = wanted.nonzero(as_tuple=True)
     states, targets = hidden[row_index, column - 1], input_ids[row_index, column]  # state t-1 predicts token t
     head = model.get_output_embeddings()
@@ -1991,6 +2057,22 @@ def trained_parameters(policy, heads: torch.nn.Module) -> list[torch.nn.Paramete
     return [p for module in (policy, heads) for p in module.parameters() if p.requires_grad]
 
 
+def clip_gradients(params: list[torch.nn.Parameter], max_norm: float) -> float:
+    """clip_grad_norm_ over the trained parameters; returns the norm before clipping. Under --fsdp the policy's
+    gradients are shards (DTensors, their norm a collective) and the heads' whole on every process: one norm of both."""
+    shards = [p.grad for p in params if p.grad is not None and isinstance(p.grad, DTensor)]
+    if not shards:
+        return torch.nn.utils.clip_grad_norm_(params, max_norm).item()
+    replicated = [p.grad for p in params if p.grad is not None and not isinstance(p.grad, DTensor)]
+    norms = [torch.nn.utils.get_total_norm(shards).full_tensor()]
+    norms += [torch.nn.utils.get_total_norm(replicated)] if replicated else []
+    norm = torch.linalg.vector_norm(torch.stack(norms)).item()
+    coefficient = min(max_norm / (norm + 1e-6), 1.0)  # clip_grad_norm_'s
+    for grad in shards + replicated:
+        grad.mul_(coefficient)
+    return norm
+
+
 # loss_fn(logprobs, batch, total_tokens) -> (loss, stats); see train_step
 LossFn = Callable[[torch.Tensor, dict[str, torch.Tensor], float], tuple[torch.Tensor, dict[str, float]]]
 
@@ -2009,7 +2091,7 @@ def train_step(rt, datums: list[Datum], loss_fn: LossFn) -> dict:
     args, accelerator, optimizer, pad_id = rt.args, rt.accelerator, rt.optimizer, rt.tokenizer.pad_token_id
     policy = accelerator.unwrap_model(rt.model)  # gradients are summed across processes by hand below
     policy.train()
-    params = trained_parameters(policy, rt.heads)
+    params = [p for group in optimizer.param_groups for p in group["params"]]  # --fsdp: the shards
     device = accelerator.device
     local = [sum(sum(d.mask) for d in datums), sum(len(d.tokens) for d in datums)]
     total_tokens, sequence_tokens = accelerator.reduce(torch.tensor(local, dtype=torch.float64, device=device)).tolist()
@@ -2018,7 +2100,16 @@ def train_step(rt, datums: list[Datum], loss_fn: LossFn) -> dict:
         return {"train/tokens": 0.0, "train/sequence_tokens": 0.0, "train/nonfinite_skipped": 0.0}
     loss_sum = ratio_sum = ratio_max = 0.0
     stat_sums: dict[str, float] = {}
-    for batch in token_budget_batches([len(d.tokens) for d in datums], args.micro_batch_tokens):
+    batches = token_budget_batches([len(d.tokens) for d in datums], args.micro_batch_tokens)
+    units = fsdp_modules(policy)
+    for module in units[1:]:  # --fsdp: a block's whole weights are freed after its forward (the root's are kept)
+        module.set_reshard_after_forward(True, recurse=False)
+    if units:  # every sharded forward and backward is a collective: each process runs as many micro-batches
+        most = accelerator.reduce(torch.tensor([len(batches)], device=device), "max").item()
+        for _ in range(most - len(batches)):  # a no-op pass: zero gradients
+            idle, _ = teacher_forced(policy, [[pad_id, pad_id]], args.temperature, pad_id, device)
+            (idle.sum() * 0.0).backward()
+    for batch in batches:
         rows = [datums[i] for i in batch]
         width = max(len(d.tokens) for d in rows)
         fields = {name: [getattr(d, name) for d in rows] for name in ("old_logprobs", "advantages", "mask")}
@@ -2045,15 +2136,17 @@ def train_step(rt, datums: list[Datum], loss_fn: LossFn) -> dict:
         for name, value in stats.items():
             stat_sums[name] = stat_sums.get(name, 0.0) + float(value)
     names = sorted(stat_sums)
-    if accelerator.num_processes > 1:
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in params])
+    replicated = [p for p in params if not isinstance(p, DTensor)]  # --fsdp: the shards' gradients are summed already
+    if accelerator.num_processes > 1 and replicated:
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in replicated])
         torch.distributed.all_reduce(flat)
         offset = 0
-        for p in params:
+        for p in replicated:
             p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
             offset += p.numel()
+    if accelerator.num_processes > 1:
         names = sorted({name for rank_names in gather_object([names]) for name in rank_names})
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm).item()
+    grad_norm = clip_gradients(params, args.max_grad_norm)
     sums = [loss_sum, ratio_sum] + [stat_sums.get(name, 0.0) for name in names]
     loss_total, ratio_total, *stat_totals = accelerator.reduce(
         torch.tensor(sums, dtype=torch.float64, device=device), "sum"
@@ -2069,6 +2162,7 @@ def train_step(rt, datums: list[Datum], loss_fn: LossFn) -> dict:
     elif accelerator.is_main_process:
         print(f"[train] non-finite loss {loss_total} or gradient norm {grad_norm}: step skipped", file=sys.stderr)
     optimizer.zero_grad(set_to_none=True)
+    gather_weights(policy)
     return {
         "train/loss": loss_total,
         "train/tokens": total_tokens,
@@ -2278,6 +2372,9 @@ class SharedArgs:
     """token budget of one forward/backward micro-batch (rows x padded length); gradients accumulate"""
     sample_batch_size: int = 32
     """prompts per generate() call"""
+    fsdp: bool = False
+    """shard the weights, gradients and AdamW state over the processes (PyTorch FSDP2, 2+ processes); the weights are
+    gathered whole on every process between updates, for sampling (docs/training-jobs.md: Sharding)"""
     # ---- data ----
     data_root: str | None = None
     """ALFWorld data dir holding json_2.1.1/ (None = the generated offline game set; --model tiny-agent: its games)"""
@@ -2341,7 +2438,6 @@ class SharedArgs:
     """K: with --sampler vllm, a background thread samples the next updates' rollouts through the server while the
     current update trains; no datum trains on weights more than K updates newer than the adapter that sampled it
     (0 = synchronous: sample, then train; docs/vllm.md: Rollouts ahead of training)"""
-
 
 @dataclasses.dataclass
 class PPOArgs(SharedArgs):
@@ -2457,22 +2553,22 @@ def validate_ppo_args(args: PPOArgs) -> None:
 # Flags a resumed run may change: where and how fast it runs and what it logs, not what it trains.
 RESUME_FREE_FLAGS = tuple(
     "preset config resume eval_only output_dir track wandb_project save_every eval_every eval_games threads micro_batch_tokens "
-    "sample_batch_size sampler sampler_url sampler_adapter_dir sampler_concurrency sampler_timeout_s "
+    "sample_batch_size fsdp sampler sampler_url sampler_adapter_dir sampler_concurrency sampler_timeout_s "
     "sampler_deadline_s kv_cache_mb".split()
 )
 
 
 def make_accelerator():
-    """CPU or CUDA; DDP when launched on several processes. FSDP and DeepSpeed are refused: the update sums
-    LoRA gradients by hand and generate() runs on the unwrapped model, both of which need whole weights per process."""
+    """CPU or CUDA; DDP when launched on several processes (--fsdp: sharded by the scripts themselves, load_model).
+    accelerate's own FSDP, DeepSpeed and Megatron plugins are refused: they would wrap the model a second time."""
     from accelerate import Accelerator
     from accelerate.utils import DistributedType
 
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     if accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM):
         raise ValueError(
-            f"accelerate config: {accelerator.distributed_type} is not supported; launch with DDP "
-            "(accelerate launch --multi_gpu), see the README"
+            f"accelerate config: {accelerator.distributed_type} is not supported; launch with "
+            "`accelerate launch --multi_gpu` and pass --fsdp to shard the model (docs/training-jobs.md: Sharding)"
         )
     if os.environ.get("MASTER_PORT") and accelerator.num_processes == 1:  # `accelerate launch --num_processes N`
         print(
@@ -2561,6 +2657,13 @@ def startup_checks(args, algorithm: str, accelerator, validate_args, resume_may_
         config = json.loads(config_file.read_text()) if config_file is not None and config_file.is_file() else {}
         config = renamed_flags(config, str(config_file), note=not args.eval_only)  # --eval-only: cli() said it
         validate_args(args)
+        check(
+            (
+                not args.fsdp or accelerator.num_processes > 1,
+                "--fsdp shards over several processes, and this run has one: launch it with `accelerate launch "
+                "--multi_gpu --num_processes N` (N >= 2), or drop --fsdp",
+            ),
+        )
         set_threads(args, int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes)))
         check_model(args.model)
         require_writable_dir(args.output_dir, "--output-dir")
@@ -3174,7 +3277,8 @@ def adapter_sha256(adapter: dict[str, torch.Tensor]) -> str:
     digest = hashlib.sha256()
     for name in sorted(adapter):
         digest.update(name.encode())
-        digest.update(adapter[name].detach().float().cpu().contiguous().numpy().tobytes())
+        # a copy: .numpy() would make the tensor's own storage unresizable, and FSDP frees gathered weights by resizing
+        digest.update(adapter[name].detach().float().cpu().clone().numpy().tobytes())
     return digest.hexdigest()
 
 
@@ -3182,9 +3286,29 @@ def trained_weights(policy) -> dict[str, torch.Tensor]:
     """What training changes: the LoRA adapter's state dict, or (--lora-rank 0) every parameter, by name."""
     from peft import PeftModel, get_peft_model_state_dict
 
-    if isinstance(policy, PeftModel):
-        return get_peft_model_state_dict(policy)
-    return dict(policy.named_parameters())  # a tied weight appears once
+    # From the parameters, not state_dict(): under --fsdp that would reshard the weights gather_weights() gathered
+    parameters = dict(policy.named_parameters())  # a tied weight appears once
+    return get_peft_model_state_dict(policy, state_dict=parameters) if isinstance(policy, PeftModel) else parameters
+
+
+def save_adapter(policy, path: Path) -> None:
+    """A peft adapter directory (adapter_config.json, adapter_model.safetensors) of the policy's LoRA weights."""
+    policy.save_pretrained(str(path), state_dict=dict(policy.named_parameters()))  # not state_dict(): trained_weights
+
+
+def placed_like(tensor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A whole saved tensor as `like` holds it: under --fsdp this process's shard (each process slices the whole
+    tensor it read itself, no communication), else the tensor."""
+    from torch.distributed.tensor import distribute_tensor
+
+    if not isinstance(like, DTensor):
+        return tensor
+    return distribute_tensor(tensor.to(like.device), like.device_mesh, like.placements, src_data_rank=None)
+
+
+def whole(tensor):
+    """A shard (DTensor) gathered whole, on the CPU (a collective: every process calls it); other values as they are."""
+    return tensor.full_tensor().cpu() if isinstance(tensor, DTensor) else tensor
 
 
 HEADS_FILE = "heads.safetensors"  # an algorithm's own modules (Runtime.make_heads) in a checkpoint
@@ -3218,6 +3342,8 @@ def save_checkpoint(
     policy = accelerator.unwrap_model(model)
     weights = trained_weights(policy)
     checksum = adapter_sha256(weights)
+    saved = optimizer.state_dict()  # --fsdp: every process gathers the shards (a collective), the main one writes
+    saved["state"] = {i: {k: whole(v) for k, v in state.items()} for i, state in saved["state"].items()}
     head_weights = {k: v.detach().cpu().contiguous() for k, v in (heads.state_dict() if heads else {}).items()}
     checksums = {"adapter_sha256": checksum} | ({"heads_sha256": adapter_sha256(head_weights)} if head_weights else {})
     per_rank = [{"state": rank_state, "rng": _rng_state(), **checksums}]
@@ -3236,13 +3362,13 @@ def save_checkpoint(
         tmp = checkpoints / f".tmp_{final.name}_{os.getpid()}"
         tmp.mkdir(parents=True)
         if isinstance(policy, PeftModel):
-            policy.save_pretrained(tmp)
+            save_adapter(policy, tmp)
         else:  # one file, the parameters' own names: from_pretrained reads it, load_checkpoint copies it back
             policy.config.save_pretrained(tmp)
             save_file({k: v.detach().cpu().contiguous() for k, v in weights.items()}, tmp / weights_file(lora=False))
         if head_weights:
             save_file(head_weights, tmp / HEADS_FILE)
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        torch.save(saved, tmp / "optimizer.pt")
         torch.save([r["rng"] for r in per_rank], tmp / "rng.pt")
         state = {
             "algorithm": algorithm,
@@ -3283,13 +3409,19 @@ def load_checkpoint(path: Path, model, optimizer, accelerator, heads: torch.nn.M
 
     policy = accelerator.unwrap_model(model)
     lora = isinstance(policy, PeftModel)
-    weights = load_file(str(path / weights_file(lora)))  # on CPU; copied into the parameters' device
+    for unit in fsdp_modules(policy):  # --fsdp: the shards are the weights; gathered again below
+        unit.reshard()
+    ours = trained_weights(policy)
+    weights = {
+        name: placed_like(tensor, ours[name]) for name, tensor in load_file(str(path / weights_file(lora))).items()
+    }
     if lora:
         set_peft_model_state_dict(policy, weights)
     else:
         with torch.no_grad():
             for name, parameter in policy.named_parameters():
                 parameter.copy_(weights[name])
+    gather_weights(policy)
     if heads:
         saved = load_file(str(path / HEADS_FILE)) if (path / HEADS_FILE).is_file() else {}
         ours = heads.state_dict()
@@ -3300,7 +3432,14 @@ def load_checkpoint(path: Path, model, optimizer, accelerator, heads: torch.nn.M
             )
         heads.load_state_dict(saved)
     if optimizer is not None:
-        optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True, map_location=accelerator.device))
+        # mmap: each process reads only what it keeps (its shard); load_state_dict moves the state to the parameters'
+        saved = torch.load(path / "optimizer.pt", weights_only=True, map_location="cpu", mmap=True)
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        saved["state"] = {
+            i: {k: placed_like(v, params[i]) if v.shape == params[i].shape else v for k, v in state.items()}
+            for i, state in saved["state"].items()
+        }  # --fsdp: this process's shard of each moment; the step count as it is
+        optimizer.load_state_dict(saved)
         _set_rng_state(torch.load(path / "rng.pt", weights_only=True)[accelerator.process_index])
 
 
@@ -3508,8 +3647,9 @@ def config_file_args(path: str, default, keep: Sequence[str] = (), strict: bool 
 
 
 def evaluated_run_args(args):
-    """args with every field but resume, eval_only, output_dir and threads taken from the config.json of the run
-    that --eval-only names (args unchanged when it has none: startup_checks() then says what is missing)."""
+    """args with every field but resume, eval_only, output_dir, threads and fsdp (how this launch runs) taken from the
+    config.json of the run that --eval-only names (args unchanged when it has none: startup_checks() then says what is
+    missing)."""
     with startup_errors():
         checkpoint = find_checkpoint(args.eval_only, args.output_dir, args.exp_name, args.seed, "--eval-only")
     config_file = checkpoint.parent.parent / "config.json" if checkpoint is not None else None
@@ -3517,7 +3657,7 @@ def evaluated_run_args(args):
         return args
     with startup_errors():
         return config_file_args(
-            str(config_file), args, keep=("resume", "eval_only", "output_dir", "threads"), strict=False
+            str(config_file), args, keep=("resume", "eval_only", "output_dir", "threads", "fsdp"), strict=False
         )
 
 

@@ -383,6 +383,7 @@ def test_eval_only_on_a_checkpoint_same_metrics_in_every_script(
         (dict(output_dir="{file}/runs"), "--output-dir"),
         (dict(resume="/no/such/checkpoint"), "--resume"),
         (dict(eval_only="auto"), "--eval-only auto: no checkpoint"),
+        (dict(fsdp=True), "--fsdp shards over several processes, and this run has one"),
     ],
 )
 def test_bad_input_fails_at_start(name, overrides, message, games_root, tiny_model_dir, tmp_path, judge):
@@ -816,3 +817,120 @@ def test_two_process_job(name, games_root, tiny_model_dir, tmp_path, monkeypatch
 def test_two_process_job_full_weights(games_root, tiny_model_dir, tmp_path, monkeypatch):
     """--lora-rank 0: every weight trained, identical on both ranks, and the 2-process resume (TEMPO)."""
     test_two_process_job("tempo", games_root, tiny_model_dir, tmp_path, monkeypatch, lora_rank=0)
+
+
+# =============================================================================================
+# --fsdp: the policy sharded over 2 CPU processes (FSDP2 on gloo)
+# =============================================================================================
+@pytest.mark.parametrize("lora_rank", [0, 4])
+def test_fsdp_first_update_equals_one_unsharded_process(lora_rank, tmp_path):
+    """The same global batch, one train_step: 1 process unsharded and 2 processes --fsdp (each training its half)
+    agree on the loss, the gradient norm and every trained weight after the step (benchmarks/speed/fsdp_memory.py
+    at toy size: it also reports the memory)."""
+    from benchmarks.speed import fsdp_memory
+
+    args = fsdp_memory.Args(size="toy", out=str(tmp_path), lora_rank=lora_rank, datums=4, tokens=64)
+    runs = fsdp_memory.main(args)
+    (single,), sharded = runs[1], runs[2]
+    assert single["trained_parameters"] == sharded[0]["trained_parameters"] > 0
+    assert (lora_rank == 0) == (single["trained_parameters"] == single["parameters"])
+    for rank in sharded:
+        assert rank["loss"] == pytest.approx(single["loss"], rel=1e-5, abs=1e-6)
+        assert rank["grad_norm"] == pytest.approx(single["grad_norm"], rel=1e-5)
+        assert rank["weights_sha256"] == sharded[0]["weights_sha256"]  # both processes hold the same whole weights
+    one, two = (load_file(tmp_path / f"processes_{n}" / "weights.safetensors") for n in (1, 2))
+    start = load_file(tmp_path / "model" / "model.safetensors")
+    assert one.keys() == two.keys()
+    for name in one:
+        torch.testing.assert_close(two[name], one[name], rtol=1e-4, atol=1e-6)
+    moved = [name for name in one if name in start and not torch.equal(one[name], start[name])]
+    assert lora_rank or moved  # full weights: the step moved them (LoRA: B starts at 0, A moves)
+
+
+def launch_killed(name, values: dict, tmp_path: Path, after: int) -> str:
+    """A 2-process job SIGKILLed (the launcher and both workers, found by a marker in their environment: torchrun
+    starts each worker in its own session) once checkpoint `after` exists and the next update has played its first
+    turn; returns its stderr."""
+    marker, stderr_path = uuid.uuid4().hex, tmp_path / f"killed_{name}.stderr"
+    command = [str(Path(sys.executable).parent / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2"]
+    command += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(ROOT / f"{name}.py")]
+    env = job_env(OMP_NUM_THREADS="1", TRAINING_JOB_MARKER=marker)
+    with open(stderr_path, "w") as stderr:
+        job = subprocess.Popen(
+            [*command, *cli(values)], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=stderr
+        )
+    started = re.compile(rf"\[checkpoint\][^\n]*update_{after:06d}.*rollout: 1turn", re.DOTALL)
+    deadline = time.monotonic() + 240
+    try:
+        while not started.search(stderr_path.read_text()):
+            assert job.poll() is None and time.monotonic() < deadline, stderr_path.read_text()[-3000:]
+            time.sleep(0.05)
+    finally:
+        for process in psutil.process_iter():
+            with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                if process.environ().get("TRAINING_JOB_MARKER") == marker:
+                    process.kill()
+        job.wait(timeout=30)
+    return stderr_path.read_text()
+
+
+# Every script with LoRA; killed and resumed: ADCA-GRPO (the judge's labels train its adapter) and ppo.py with full
+# weights and a value head
+FSDP_JOBS = [(name, 4, name == "adca_grpo") for name in SCRIPTS] + [("ppo", 0, True)]
+
+
+@pytest.mark.parametrize("name, lora_rank, kill", FSDP_JOBS)
+def test_fsdp_two_process_job(name, lora_rank, kill, games_root, tiny_model_dir, tmp_path, monkeypatch):
+    """--fsdp on 2 processes: the job trains, its checkpoints hold the whole weights (identical on both ranks) and the
+    whole optimizer state; with `kill`, the same job SIGKILLed mid-update and resumed with --resume auto logs the same
+    metrics and ends with the same weights and optimizer state."""
+    monkeypatch.setenv(JUDGE_KEY_ENV, "not-a-secret")  # inherited by the job
+    with judge_endpoint() if name == "adca_grpo" else contextlib.nullcontext() as judge:
+        url = judge.url if judge else ""
+        straight = settings(
+            name, games_root, tiny_model_dir, tmp_path / "straight", url, lora_rank=lora_rank, fsdp=True
+        )
+        result, leftovers = launch(name, straight, tmp_path)
+        assert result.returncode == 0 and not leftovers, result.stderr[-5000:]
+        if kill:
+            killed = {**straight, "output_dir": str(tmp_path / "killed")}
+            launch_killed(name, killed, tmp_path, kill_after(name))
+            (killed_dir,) = (tmp_path / "killed").iterdir()
+            assert [c.name for c in checkpoints(killed_dir)] == [
+                f"update_{u:06d}" for u in range(1, kill_after(name) + 1)
+            ]
+            resumed, leftovers = launch(name, {**killed, "resume": "auto"}, tmp_path)
+            assert resumed.returncode == 0 and not leftovers, resumed.stderr[-5000:]
+            assert f"resumed {tmp_path / 'killed'}" in resumed.stderr
+    runs = [next((tmp_path / d).iterdir()) for d in ("straight", "killed")[: 1 + kill]]
+    n = total_updates(name)
+    for run in runs:
+        assert [r["update"] for r in read_rows(run / "metrics.jsonl")] == list(range(1, n + 1))
+        assert [c.name for c in checkpoints(run)] == [f"update_{u:06d}" for u in range(1, n + 1)]
+    final = [checkpoints(run)[-1] for run in runs]
+    weights = [load_file(c / common.weights_file(lora=lora_rank > 0)) for c in final]
+    state = json.loads((final[0] / "trainer_state.json").read_text())
+    assert state["adapter_sha256"] == common.adapter_sha256(weights[0]) and len(state["rank_states"]) == 2
+    assert result.stderr.count("identical on 2 process(es)") == n
+    optimizer = [torch.load(c / "optimizer.pt", weights_only=True)["state"] for c in final]
+    trained = sum(v.numel() for v in weights[0].values())
+    if optimizer[0]:  # TEMPO's test budget trains nothing (its tiny groups are degenerate): no state yet
+        assert sum(s["exp_avg"].numel() for s in optimizer[0].values()) >= trained  # whole, not one rank's shard
+    if lora_rank == 0:  # the checkpoint is a transformers model directory
+        from transformers import AutoModelForCausalLM
+
+        AutoModelForCausalLM.from_pretrained(final[0])
+    if not kill:
+        return
+    rows = [read_rows(run / "metrics.jsonl") for run in runs]
+    for row, want in zip(rows[1], rows[0]):
+        assert row.keys() == want.keys()
+        for key in (k for k in row if not TIMING_KEYS.search(k)):
+            expected = want[key] if isinstance(want[key], str) else pytest.approx(want[key], rel=1e-6, abs=1e-9)
+            assert row[key] == expected, (row["update"], key)
+    for key in weights[0]:
+        torch.testing.assert_close(weights[1][key], weights[0][key], rtol=1e-5, atol=1e-7)
+    for index in optimizer[0]:
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            torch.testing.assert_close(optimizer[1][index][key], optimizer[0][index][key], rtol=1e-5, atol=1e-9)
+    assert optimizer[0] and any(r["train/grad_norm"] > 0 for r in rows[0])  # it trained

@@ -2,7 +2,10 @@
 randomly initialised model of Qwen3-4B's shape (bf16, gradient checkpointing: what load_model does on a GPU), through
 the scripts' own main(): peak GPU memory, sampled tokens/s and sampling MFU; then one common.train_step on a GRPO
 update's episodes with advantages +1 / -1 (a random model wins nothing, so the updates themselves train nothing):
-trained tokens/s and training MFU against the GPU's bf16 peak.
+trained tokens/s and training MFU against the GPU's bf16 peak. On a machine with 2+ GPUs, also --fsdp: one
+full-weight update sharded over every GPU against one unsharded process (benchmarks/speed/fsdp_memory.py at its large
+size): peak GPU memory per process and the loss and gradient norm of both (NCCL runs one process per GPU, so one GPU
+cannot run it).
 
     python -m benchmarks.speed.gpu                       # on a GPU machine: Qwen3-4B's shape (~3-6 min on one H100/H200)
     python -m benchmarks.speed.gpu --size toy --device-peak-tflops 0   # CPU, seconds: what tests/test_gpu_benchmark.py runs
@@ -17,6 +20,7 @@ gradient checkpointing's extra forward not credited) and 2 x parameters per samp
 from __future__ import annotations
 
 import json
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -167,6 +171,32 @@ def measure_train_step(run_args, parameters: int, tflops: float) -> dict:
     }
 
 
+def measure_fsdp(out_dir: Path) -> dict | None:
+    """--fsdp over every GPU against one unsharded process; None (said on stderr) with fewer than 2 GPUs."""
+    import torch
+
+    from benchmarks.speed import fsdp_memory
+
+    gpus = torch.cuda.device_count()
+    if gpus < 2:
+        print(f"[fsdp] not measured: {gpus} GPU(s); --fsdp needs 2+ (NCCL: one process per GPU)", file=sys.stderr)
+        return None
+    runs = fsdp_memory.main(fsdp_memory.Args(size="large", processes=(1, gpus), out=str(out_dir)))
+    (single,), sharded = runs[1], max(runs[gpus], key=lambda rank: rank["update_peak_gpu_gb"])
+    return {
+        "measured": "fsdp update",
+        "parameters": single["parameters"],
+        "processes": gpus,
+        "update_peak_gpu_gb_1_process": round(single["update_peak_gpu_gb"], 3),
+        "update_peak_gpu_gb_sharded": round(sharded["update_peak_gpu_gb"], 3),
+        "after_gather_peak_gpu_gb_sharded": round(sharded["after_gather_peak_gpu_gb"], 3),
+        "floor_gb_sharded": round(sharded["floor_gb"], 3),
+        "update_peak_ratio": round(sharded["update_peak_gpu_gb"] / single["update_peak_gpu_gb"], 3),
+        "loss_difference": abs(sharded["loss"] - single["loss"]),
+        "grad_norm_difference": abs(sharded["grad_norm"] - single["grad_norm"]),
+    }
+
+
 def main(args: Args) -> list[dict]:
     from transformers import AutoConfig
 
@@ -205,6 +235,7 @@ def main(args: Args) -> list[dict]:
             measure_update("tempo_td", tempo, td, parameters, tflops),
             measure_train_step(grpo, parameters, tflops),
         ]
+        results += filter(None, [measure_fsdp(scratch / "fsdp")])
     for result in results:
         print(json.dumps(result))
     if args.out:
