@@ -6,12 +6,17 @@ import math
 import random
 import shutil
 import statistics
+import subprocess
+from pathlib import Path
 
 import pytest
+import torch
 from accelerate.utils import set_seed
 
 import common
 import tempo
+
+ROOT = Path(__file__).resolve().parents[1]
 
 TOOL = '<tool_call>\n{"name": "alfworld_step", "arguments": {"action": "%s"}}\n</tool_call>'
 
@@ -930,6 +935,11 @@ def test_resume_continues_the_run(smoke_run, tmp_path):
     rows = read_metrics(run_dir)
     assert [r["update"] for r in rows] == [0, 1, 2, 3, 4]
     assert rows[4]["td/fresh_states"] == 0  # the store came back with the checkpoint (2 states were left)
+    # provenance.jsonl: a line per start of the run, with the code's commit and the installed packages
+    sessions = [json.loads(line) for line in (run_dir / "provenance.jsonl").read_text().splitlines()]
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    assert [s["updates_done"] for s in sessions] == [0, 3] and {s["commit"] for s in sessions} == {head or None}
+    assert all(s["packages"]["torch"] == torch.__version__ and s["dirty"] in (True, False, None) for s in sessions)
     state = json.loads((run_dir / "checkpoints" / "update_000004" / "trainer_state.json").read_text())
     assert state["algorithm"] == "tempo" and state["update"] == 4
 
