@@ -3527,17 +3527,19 @@ def check_checkpoint(path: Path, args, algorithm: str, flag: str, num_processes:
 def cli(args_type, main, presets: dict | None = None, argv: Sequence[str] | None = None):
     """tyro's CLI around main (argv: the command line's by default); returns what main returns. The parse's defaults
     are Args(), then a preset's values (`script.py NAME ...` or --preset NAME; presets: name -> (one line, Args)), then
-    a --config file's; every flag given overrides them. With --eval-only every flag not given takes the evaluated
-    run's value (its config.json). A StartupError prints just its message and exits 2, as tyro does for a bad flag."""
+    a --config file's, which --help shows; every flag given overrides them. With --eval-only every flag not given takes
+    the evaluated run's value (its config.json). A StartupError prints just its message and exits 2, as tyro does for
+    a bad flag."""
     presets = presets or {}
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in presets:
         argv = ["--preset", *argv]
     listing = "presets (`script.py NAME --flags`): " + "; ".join(f"{n}: {line}" for n, (line, _) in presets.items())
     description = f"{sys.modules[args_type.__module__].__doc__ or ''}\n{listing if presets else ''}"
-    args = tyro.cli(args_type, args=argv, description=description)
+    bare = [flag for flag in argv if flag not in ("-h", "--help")]  # --help shows the preset's or file's values
+    args = tyro.cli(args_type, args=bare, description=description)
     try:
-        if args.preset or args.config:
+        if args.preset or args.config or bare != argv:
             args = tyro.cli(args_type, args=argv, default=configured_defaults(args, presets), description=description)
         if args.eval_only:
             args = tyro.cli(args_type, args=argv, default=evaluated_run_args(args), description=description)

@@ -44,6 +44,17 @@ def test_an_unknown_preset_fails_at_start(capsys):
     )
 
 
+def test_help_shows_the_presets_values(capsys, monkeypatch):
+    """`tempo.py source --help` resolves the source's store rule; plain --help shows Args()'s."""
+    monkeypatch.setenv("COLUMNS", "400")  # one line per flag's help
+    for argv, store in ((["source", "--help"], "source"), (["--help"], tempo.Args().state_selection)):
+        with pytest.raises(SystemExit) as exit:
+            parsed(tempo, argv)
+        (line,) = [line for line in capsys.readouterr().out.splitlines() if "drawn states kept" in line]
+        assert exit.value.code == 0 and f"(default: {store})" in line
+    assert tempo.PRESETS["source"][1].state_selection == "source" != tempo.Args().state_selection
+
+
 def test_a_yaml_config_file_gives_the_defaults(tmp_path):
     config = tmp_path / "run.yaml"
     config.write_text("learning_rate: 3.0e-4\nclip_eps_high: 0.28\nprefix_is_correction: true\ntask_types: null\n")

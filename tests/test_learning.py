@@ -90,6 +90,10 @@ def test_summary_reports_n_welch_intervals_the_detectable_difference_and_tokens(
     assert "| not reached |" in tempo_row  # TEMPO's best mean is below GRPO's 0.38
     assert tempo_row.endswith("| 3 of 3 runs lack it |")
 
+    unfinished = {**runs["tempo-s3"], "points": runs["tempo-s3"]["points"][:2]}  # evaluated up to update 12 of 24
+    table = compare.summarise({"start": start, "runs": {**runs, "tempo-s3": unfinished}}, ["grpo", "tempo"])
+    assert table.splitlines()[3].startswith("| tempo | 2 |")
+
     for seed in (1, 2, 3):  # GRPO ends below the start: no token count reaches "its level" (the start would, at 0)
         runs[f"grpo-s{seed}"]["points"][-1]["sampled"] = [1, 0, 0, 0]
     table = compare.summarise({"start": start, "runs": runs}, ["grpo", "tempo"])

@@ -201,15 +201,22 @@ def bracket(estimate: tuple[float, float, float]) -> str:
     return f"{difference:+.2f} [{low:+.2f}, {high:+.2f}]" if math.isfinite(low) else f"{difference:+.2f} [-]"
 
 
+def finished(run: dict) -> bool:
+    """Evaluated past the start and, where its training metrics are kept, up to their last update (a run still being
+    evaluated is not reported)."""
+    last = run["metrics"][-1]["update"] if run.get("metrics") else run["points"][-1].get("update")
+    return len(run["points"]) > 1 and run["points"][-1].get("update") == last
+
+
 def arm_runs(results: dict, name: str) -> list[dict]:
-    """The finished runs of arm `name` (evaluated past the start), by seed."""
-    runs = [r for r in results["runs"].values() if r["algorithm"] == name and len(r["points"]) > 1]
+    """The finished runs of arm `name`, by seed."""
+    runs = [r for r in results["runs"].values() if r["algorithm"] == name and finished(r)]
     return sorted(runs, key=lambda r: r["seed"])
 
 
 def arms_in(results: dict) -> list[str]:
     """Every arm with a finished run, GRPO first."""
-    names = sorted({r["algorithm"] for r in results["runs"].values() if len(r["points"]) > 1})
+    names = sorted({r["algorithm"] for r in results["runs"].values() if finished(r)})
     return sorted(names, key=lambda name: name != "grpo")
 
 
