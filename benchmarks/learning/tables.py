@@ -22,7 +22,8 @@ from benchmarks.learning import compare
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
-E16 = "long-full-last-stage-critic-e16"  # the long setting's shared warm start (docs/does-it-learn.md)
+E16 = "long-full-last-stage-critic-e16"  # the long setting's warm start before 2026-12-03 (lost: not rebuilt alike)
+SHIPPED = "long-full-long-warm-start"  # its successor, shipped in assets/long-warm-start
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,33 @@ class Table:
 
 TEMPO_PRESET = ("tempo_outcome@3e-4", "tempo (preset: outcome store, lr 3e-4)")
 TABLES = {
+    "long-tuning": Table(
+        "docs/does-it-learn.md",
+        (f"long-tuning/{SHIPPED}",),
+        (
+            ("grpo@3e-4", "grpo, lr 3e-4"),
+            ("grpo@5e-4", "grpo, lr 5e-4"),
+            ("grpo", "grpo, lr 1e-3"),
+            ("tempo", "tempo (preset), lr 3e-4"),
+            ("tempo@5e-4", "tempo (preset), lr 5e-4"),
+            ("tempo@1e-3", "tempo (preset), lr 1e-3"),
+        ),
+        (1, 2, 3, 4, 5),
+        "grpo, lr 1e-3",
+    ),
+    "long-held-out": Table(
+        "docs/does-it-learn.md",
+        (f"long-held-out/{SHIPPED}",),
+        (
+            ("grpo", "grpo, lr 1e-3"),
+            ("tempo", "tempo (preset), lr 3e-4"),
+            ("tempo_source", "tempo_source (09-tempo's store), lr 3e-4"),
+            ("tempo_oracle", "tempo_oracle (Monte-Carlo endpoint values), lr 3e-4"),
+            ("tempo_oracle@1e-3", "tempo_oracle (Monte-Carlo endpoint values), lr 1e-3"),
+        ),
+        (6, 7, 8, 9, 10),
+        "grpo, lr 1e-3",
+    ),
     "long-tuning-seeds": Table(
         "docs/does-it-learn.md",
         (f"tempo-selection/{E16}",),
