@@ -55,16 +55,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def split_cores() -> tuple[list[int], list[int]] | tuple[None, None]:
+    """(the server's core, the trainer's core) when this process may run on two cores or more, so that sampling and
+    training each have one; (None, None) on one core, which they share."""
+    cores = sorted(os.sched_getaffinity(0))
+    return (cores[:1], cores[1:2]) if len(cores) >= 2 else (None, None)
+
+
+def on_cores(cores: list[int] | None):
+    """A subprocess preexec_fn that puts the child (and all it starts) on `cores`; None when cores is None."""
+    return (lambda: os.sched_setaffinity(0, cores)) if cores else None
+
+
 class VllmServer:
     """`with VllmServer(model) as server:` serves model (a path, relative to ROOT or absolute) at server.url
     (".../v1") in fp32 on one thread, with --enable-lora and runtime LoRA loading
-    (VLLM_ALLOW_RUNTIME_LORA_UPDATING=true) unless told otherwise. kill() ends it the hard way (SIGKILL of the API
-    server and its EngineCore / Worker children), start() brings it back on the same port."""
+    (VLLM_ALLOW_RUNTIME_LORA_UPDATING=true) unless told otherwise; with cores, on those CPU cores only (its EngineCore
+    and Worker children and all their threads inherit them). kill() ends it the hard way (SIGKILL of the API server and
+    its EngineCore / Worker children), start() brings it back on the same port."""
 
-    def __init__(self, model, log_file, *, port=0, max_model_len=8192, enable_lora=True, max_lora_rank=16):
+    def __init__(self, model, log_file, *, port=0, max_model_len=8192, enable_lora=True, max_lora_rank=16, cores=None):
         self.model, self.log_file, self.port = str(model), Path(log_file), port or free_port()
         self.url = f"http://127.0.0.1:{self.port}/v1"
         self.max_model_len, self.enable_lora, self.max_lora_rank = max_model_len, enable_lora, max_lora_rank
+        self.cores = cores
         self.process: subprocess.Popen | None = None
 
     def command(self) -> list[str]:
@@ -91,8 +105,9 @@ class VllmServer:
         }
         with open(self.log_file, "a") as log:
             self.process = subprocess.Popen(
-                self.command(), cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
+                self.command(), cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                preexec_fn=on_cores(self.cores),
+            )  # fmt: skip
         return self
 
     def wait_ready(self, timeout_s: float = 600) -> "VllmServer":

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from test_vllm import assert_trained_on_the_served_policy, read_rows, served_adapters
+from vllm_server import restart_during_run
 
 import adca_grpo
 import gigpo
@@ -68,25 +69,12 @@ def wait_for(condition, run: subprocess.Popen, log: Path, timeout_s: float = 300
         time.sleep(0.2)
 
 
-def logged_updates(tmp_path: Path) -> int:
-    return sum(len(path.read_text().splitlines()) for path in tmp_path.glob("*/metrics.jsonl"))
-
-
 def test_a_server_restarted_during_async_sampling_the_run_continues_and_loses_nothing(vllm, tmp_path):
     """SIGKILL of the server once update 1 is logged (the batches of updates 2 and 3 sampled or in flight), a restart:
     the sampling thread waits, loads its pinned adapter into the new server and goes on; every update trains once, on
     its own games (the cursor at the end: 3 updates x 2 games), within the bound."""
     run, log = run_in_background(tmp_path, f"--sampler-url={vllm.url}", "--save-every=0")
-    try:
-        wait_for(lambda: logged_updates(tmp_path) >= 1, run, log)
-        vllm.kill()
-        time.sleep(5)
-        assert run.poll() is None, log.read_text()[-3000:]  # waiting for the server, not failed
-        vllm.start()
-        assert run.wait(timeout=600) == 0, log.read_text()[-3000:]
-    finally:
-        if run.poll() is None:
-            run.kill()
+    restart_during_run(vllm, run, log, tmp_path)
     (run_dir,) = [path.parent for path in tmp_path.glob("*/metrics.jsonl")]
     rows = read_rows(run_dir)
     assert [row["update"] for row in rows] == [1, 2, 3]

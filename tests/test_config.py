@@ -185,10 +185,12 @@ def test_the_learning_presets_are_what_the_learning_benchmark_runs(module, setti
     agent, preset_name = runs.SETTINGS[setting]
     script = f"{module.__name__}.py"
     for name in [name for name, (s, _) in runs.ALGORITHMS.items() if s == script]:
-        command = runs.algorithm_command(name, 2, 12, Path("/m"), Path("/g"), Path("/r"), setting, 6)
+        url = "http://127.0.0.1:8011/v1" if runs.needs_server(name) else ""  # compare.py's server, for those arms
+        command = runs.algorithm_command(name, 2, 12, Path("/m"), Path("/g"), Path("/r"), setting, 6, sampler_url=url)
         assert command[:2] == [script, preset_name]
         args = parsed(module, command[1:])
         assert (args.model, args.data_root, args.seed, args.preset) == ("/m", "/g", 2, preset_name)
+        assert (args.sampler, args.sampler_url) == (("vllm", url) if url else ("generate", ""))
     _, preset = module.PRESETS[preset_name]
     assert preset.model == agent and preset.task_types == offline.TINY_AGENTS[agent].task_types
     recipe = runs.recipe(setting)  # what the benchmark's evaluation plays
@@ -197,6 +199,20 @@ def test_the_learning_presets_are_what_the_learning_benchmark_runs(module, setti
         recipe.max_trajectory_tokens,
     )
     assert preset.max_turns == recipe.max_turns
+
+
+def test_the_async_arms_differ_from_their_baseline_only_in_async_steps():
+    """grpo_async1 against grpo_vllm (compare.py --reference grpo_vllm): the same command but --async-steps; an arm
+    that samples through a server is refused a command without its URL."""
+    url, where = "http://127.0.0.1:8011/v1", (Path("/m"), Path("/g"), Path("/r"))
+    base, ahead = (
+        parsed(adca_grpo, runs.algorithm_command(name, 1, 12, *where, "short", 6, sampler_url=url)[1:])
+        for name in ("grpo_vllm", "grpo_async1")
+    )
+    assert (base.async_steps, ahead.async_steps) == (0, 1)
+    assert dataclasses.replace(ahead, async_steps=0, exp_name=base.exp_name) == base
+    with pytest.raises(ValueError, match="'grpo_async1' samples through a vLLM server"):
+        runs.algorithm_command("grpo_async1", 1, 12, *where, "short", 6)
 
 
 def test_a_tempo_variant_without_warmup_gets_the_runs_updates_as_td_updates():

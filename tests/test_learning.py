@@ -4,6 +4,7 @@ import dataclasses
 import json
 import math
 import statistics
+from pathlib import Path
 
 import pytest
 
@@ -141,10 +142,11 @@ def test_runs_whose_flags_differ_beyond_the_seed_are_not_pooled():
     start = {"sampled": [8, 0, 0, 0], "greedy": [1, 0, 0, 0], "episodes": 16, "tokens": 0}
     runs = summary_runs(start, [(8, 4, 6), (16, 8, 10)])
     for seed, lr in ((1, 3e-4), (2, 3e-4)):
-        config = {"seed": seed, "exp_name": f"grpo-s{seed}", "output_dir": "/runs", "learning_rate": lr}
+        config = {"seed": seed, "exp_name": f"grpo-s{seed}", "output_dir": "/runs", "learning_rate": lr,
+                  "sampler_url": f"http://127.0.0.1:{8010 + seed}/v1"}  # fmt: skip
         runs[f"grpo-s{seed}"]["provenance"] = {"config": config, "sessions": [], "warm_start_sha256": "ab"}
     table = compare.summarise({"start": start, "runs": runs}, ["grpo"])
-    assert table.splitlines()[2].endswith("| recorded |")  # the seed and the run's names may differ
+    assert table.splitlines()[2].endswith("| recorded |")  # the seed, the run's names and its server may differ
     runs["grpo-s2"]["provenance"]["config"]["learning_rate"] = 1e-3
     with pytest.raises(ValueError, match=r"arm 'grpo'.*\['learning_rate'\]"):
         compare.summarise({"start": start, "runs": runs}, ["grpo"])
@@ -170,3 +172,15 @@ def test_parallel_saves_keep_each_others_runs_and_the_warm_starts_critic(tmp_pat
     assert set(stored["runs"]) == {"tempo-s1", "grpo-s1"}
     assert stored["start"] == {**start, "critic": {"generative": {"r": 0.6}}}
     assert stored["runs"]["tempo-s1"]["points"][0]["critic"] == {"generative": {"r": 0.6}}
+
+
+def test_compare_starts_a_server_only_when_a_run_still_to_train_samples_through_one(tmp_path):
+    """compare.py starts no vLLM server when no run left to train samples through one, nor with --sampler-url (it
+    passes that URL on). Starting one is the grpo_vllm / grpo_async1 command of docs/benchmarks.md (tried by hand)."""
+    args = compare.Args()
+    with compare.sampler_server(args, Path("/warm"), ["grpo", "tempo"], tmp_path / "server.log") as served:
+        assert served == ("", None)
+    given = dataclasses.replace(args, sampler_url="http://127.0.0.1:8011/v1")
+    with compare.sampler_server(given, Path("/warm"), ["grpo_vllm", "grpo_async1"], tmp_path / "server.log") as served:
+        assert served == (given.sampler_url, None)
+    assert not (tmp_path / "server.log").exists()

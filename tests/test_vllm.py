@@ -15,9 +15,9 @@ from types import SimpleNamespace
 
 import algorithm_scripts
 import httpx
-import psutil
 import pytest
 from test_kv_cache import perturb_adapter
+from vllm_server import restart_during_run
 
 import common
 import offline
@@ -288,22 +288,7 @@ def test_a_server_killed_and_restarted_mid_run_the_run_continues(vllm, tmp_path)
     log = tmp_path / "run.log"
     with open(log, "w") as out:
         run = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 300
-        while '"update": 1' not in "".join(path.read_text() for path in tmp_path.glob("*/metrics.jsonl")):
-            assert run.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.2)
-        tree = [vllm.process.pid, *(p.pid for p in psutil.Process(vllm.process.pid).children(recursive=True))]
-        vllm.kill()
-        assert not [pid for pid in tree if psutil.pid_exists(pid)]  # the engine and its worker went with it
-        log_start = vllm.log_file.stat().st_size
-        time.sleep(5)
-        assert run.poll() is None, log.read_text()[-3000:]  # waiting for the server, not failed
-        vllm.start()
-        assert run.wait(timeout=600) == 0, log.read_text()[-3000:]
-    finally:
-        if run.poll() is None:
-            run.kill()
+    log_start = restart_during_run(vllm, run, log, tmp_path)
     (run_dir,) = [p.parent for p in tmp_path.glob("*/metrics.jsonl")]
     rows = read_rows(run_dir)
     assert [row["update"] for row in rows] == [0, 1, 2]

@@ -9,16 +9,52 @@ against a real vLLM server (tests/test_vllm.py). It answers `--sampler vllm`'s c
 
 Errors are vLLM's {"error": {"message", "type", "param", "code"}}; a route that is switched off (runtime LoRA
 updating not allowed) is FastAPI's 404 {"detail": "Not Found"}.
+
+restart_during_run: the real server (benchmarks/vllm_cpu.py) killed and started again in the middle of a run, for the
+tests that check a run outlives it (tests/test_vllm.py, tests/test_async.py).
 """
 
 import contextlib
 import json
+import subprocess
 import threading
 import time
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
+import psutil
 import torch
+
+
+def logged(root: Path, update: int) -> bool:
+    """Whether a run under root has written its metrics row of `update` (whole lines: a row may be half written)."""
+    lines = [line for path in root.glob("*/metrics.jsonl") for line in path.read_text().splitlines(keepends=True)]
+    return any(line.endswith("\n") and json.loads(line)["update"] == update for line in lines)
+
+
+def restart_during_run(server, run: subprocess.Popen, run_log: Path, run_root: Path, timeout_s: float = 300) -> int:
+    """Once the run (a script's process, its run directory under run_root) has logged update 1: SIGKILL of the server
+    (a benchmarks.vllm_cpu.VllmServer) with its EngineCore / Worker children, all checked gone; 5 s later the run must
+    be waiting, not failed; the server is started again on the same port and the run must end with exit code 0 (it is
+    killed if not). Returns the length of the server's log at the kill: what the restarted server logged follows it."""
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not logged(run_root, 1):
+            assert run.poll() is None and time.monotonic() < deadline, run_log.read_text()[-3000:]
+            time.sleep(0.2)
+        tree = [server.process.pid, *(p.pid for p in psutil.Process(server.process.pid).children(recursive=True))]
+        server.kill()
+        assert not [pid for pid in tree if psutil.pid_exists(pid)]  # the engine and its worker went with it
+        killed_at = server.log_file.stat().st_size
+        time.sleep(5)
+        assert run.poll() is None, run_log.read_text()[-3000:]  # waiting for the server, not failed
+        server.start()
+        assert run.wait(timeout=600) == 0, run_log.read_text()[-3000:]
+    finally:
+        if run.poll() is None:
+            run.kill()
+    return killed_at
 
 
 class HTTPError(Exception):

@@ -21,10 +21,14 @@ Every stage is cached under --cache, so a killed run picks up where it stopped (
                                                   # the long-horizon setting (docs/does-it-learn.md)
     python -m benchmarks.learning.compare --seeds 1 --algorithms grpo@3e-4 grpo tempo@3e-4 tempo
                                                   # an lr sweep: NAME@LR is the variant NAME at lr LR
+    python -m benchmarks.learning.compare --algorithms grpo_vllm grpo_async1 --reference grpo_vllm --seeds 1 2 3 4 5
+                                                  # --async-steps 1 against 0, both through one CPU vLLM server
+                                                  # that compare.py starts (the arms needing one: runs.needs_server)
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -49,6 +53,7 @@ from benchmarks.learning.runs import (
     UPDATES,
     algorithm,
     algorithm_command,
+    needs_server,
     recipe,
     run,
     run_updates,
@@ -93,6 +98,11 @@ class Args:
     point (~4 min a point)"""
     report_only: bool = False
     """only rewrite the table and plots from results.json (e.g. after stopping a run part way)"""
+    reference: str = "grpo"
+    """the arm every other arm's end success is compared with (Welch interval): grpo_vllm for grpo_async1"""
+    sampler_url: str = ""
+    """a running vLLM server of the warm start for the arms that sample through one (grpo_vllm, grpo_async1); empty:
+    compare.py starts one on the CPU while such runs train (benchmarks/vllm_cpu.py: on one core, the runs on another)"""
 
 
 def log(message: str) -> None:
@@ -102,6 +112,29 @@ def log(message: str) -> None:
 def run_dir(runs: Path, name: str, seed: int) -> Path | None:
     dirs = sorted(runs.glob(f"{name}-s{seed}__*"))
     return dirs[-1] if dirs else None
+
+
+def finished(runs: Path, name: str, seed: int, updates: int, td_updates: int) -> bool:
+    """Whether the run of `name` at `seed` saved its last checkpoint."""
+    rdir = run_dir(runs, name, seed)
+    return rdir is not None and (rdir / "checkpoints" / f"update_{run_updates(name, updates, td_updates):06d}").is_dir()
+
+
+@contextlib.contextmanager
+def sampler_server(args: Args, warm: Path, pending: Sequence[str], log_file: Path):
+    """(the server URL, the cores of the training runs) while the runs train: --sampler-url if given; else, when an arm
+    still to train (pending) samples through a vLLM server, a CPU server of the warm start started here and stopped at
+    the end, on one core with the runs on another (on one core, they share it); else ("", None)."""
+    if args.sampler_url or not any(map(needs_server, pending)):
+        yield args.sampler_url, None
+        return
+    from benchmarks.vllm_cpu import VllmServer, split_cores
+
+    server_cores, trainer_cores = split_cores()
+    log(f"starting a vLLM server of {warm} on cores {server_cores}, the runs on {trainer_cores} (log: {log_file})")
+    context = recipe(args.setting).max_trajectory_tokens  # what the scripts check the server's context against
+    with VllmServer(warm, log_file, max_model_len=context, cores=server_cores) as server:
+        yield server.url, trainer_cores
 
 
 def metrics_rows(run: Path) -> list[dict]:
@@ -214,10 +247,10 @@ def arm_runs(results: dict, name: str) -> list[dict]:
     return sorted(runs, key=lambda r: r["seed"])
 
 
-def arms_in(results: dict) -> list[str]:
-    """Every arm with a finished run, GRPO first."""
+def arms_in(results: dict, reference: str = "grpo") -> list[str]:
+    """Every arm with a finished run, the reference first."""
     names = sorted({r["algorithm"] for r in results["runs"].values() if finished(r)})
-    return sorted(names, key=lambda name: name != "grpo")
+    return sorted(names, key=lambda name: name != reference)
 
 
 def summarise(results: dict, arms: Sequence[str], reference: str = "grpo") -> str:
@@ -270,8 +303,9 @@ def summarise(results: dict, arms: Sequence[str], reference: str = "grpo") -> st
     return "\n".join(lines) + "\n"
 
 
-# Fields of a run's config.json that name the run, not what it trains: runs of one arm may differ only in these
-RUN_IDENTITY_FIELDS = ("seed", "exp_name", "output_dir", "resume", "threads")
+# Fields of a run's config.json that name the run or where it ran, not what it trains: runs of one arm may differ only
+# in these (sampler_url: each compare.py process starts its server on a free port)
+RUN_IDENTITY_FIELDS = ("seed", "exp_name", "output_dir", "resume", "threads", "sampler_url")
 
 
 def check_poolable(name: str, runs: Sequence[dict]) -> None:
@@ -511,7 +545,7 @@ def save(results_file: Path, results: dict, ours: set[str]) -> None:
 def main(args: Args) -> None:
     from tqdm import tqdm
 
-    for name in args.algorithms:
+    for name in (*args.algorithms, args.reference):
         algorithm(name)  # an unknown name fails before anything runs
     if args.eval_every < 1 or args.updates < 1:
         raise ValueError("--updates and --eval-every must be >= 1")
@@ -575,49 +609,51 @@ def main(args: Args) -> None:
         results["start"]["critic"] = critic_point(None)
         save(results_file, results, ours)
     runs_root = cache / f"runs-{mode}"
-    for name, seed in tqdm(jobs, desc="runs", unit="run", dynamic_ncols=True):
-        key = f"{name}-s{seed}"
-        rdir = run_dir(runs_root, name, seed)
-        final = rdir / "checkpoints" / f"update_{run_updates(name, updates, td_updates):06d}" if rdir else None
-        if final is None or not final.is_dir():  # not finished yet
-            log(f"{key}: training")
-            command = algorithm_command(
-                name, seed, updates, warm, games, runs_root, args.setting, args.eval_every, td_updates
-            )
-            run(command, args.threads)
+    runs_root.mkdir(parents=True, exist_ok=True)
+    pending = [name for name, seed in jobs if not finished(runs_root, name, seed, updates, td_updates)]
+    with sampler_server(args, warm, pending, runs_root / "vllm-server.log") as (sampler_url, cores):
+        for name, seed in tqdm(jobs, desc="runs", unit="run", dynamic_ncols=True):
+            key = f"{name}-s{seed}"
+            if not finished(runs_root, name, seed, updates, td_updates):
+                log(f"{key}: training")
+                command = algorithm_command(
+                    name, seed, updates, warm, games, runs_root, args.setting, args.eval_every, td_updates,
+                    sampler_url if needs_server(name) else "",
+                )  # fmt: skip
+                run(command, args.threads, cores)
             rdir = run_dir(runs_root, name, seed)
-        metrics = metrics_rows(rdir)
-        entry = results["runs"].setdefault(key, {"algorithm": name, "seed": seed, "points": []})
-        entry["metrics"] = metrics
-        entry["provenance"] = run_provenance(rdir, warm_sha256)
-        if not entry["points"]:
-            entry["points"].append(results["start"])
-        for checkpoint in sorted((rdir / "checkpoints").glob("update_*")):
-            update = int(checkpoint.name.split("_")[-1])
-            if any(p.get("update") == update for p in entry["points"]):
-                continue
-            log(f"{key}: evaluating update {update}")
-            tokens = sum(m.get("rollout/generated_tokens", 0.0) for m in metrics if m["update"] <= update)
-            entry["points"].append({**evaluate(checkpoint, args.eval_episodes), "update": update, "tokens": tokens})
-            save(results_file, results, ours)
-            log(f"{key}: update {update}: sampled {success(entry['points'][-1]):.2f}")
-        for point in entry["points"][1:] if args.critic_eval and name.startswith("tempo") else []:
-            if "critic" not in point:
-                log(f"{key}: update {point['update']}: the critic against true V")
-                point["critic"] = critic_point(rdir / "checkpoints" / f"update_{point['update']:06d}")
+            metrics = metrics_rows(rdir)
+            entry = results["runs"].setdefault(key, {"algorithm": name, "seed": seed, "points": []})
+            entry["metrics"] = metrics
+            entry["provenance"] = run_provenance(rdir, warm_sha256)
+            if not entry["points"]:
+                entry["points"].append(results["start"])
+            for checkpoint in sorted((rdir / "checkpoints").glob("update_*")):
+                update = int(checkpoint.name.split("_")[-1])
+                if any(p.get("update") == update for p in entry["points"]):
+                    continue
+                log(f"{key}: evaluating update {update}")
+                tokens = sum(m.get("rollout/generated_tokens", 0.0) for m in metrics if m["update"] <= update)
+                entry["points"].append({**evaluate(checkpoint, args.eval_episodes), "update": update, "tokens": tokens})
                 save(results_file, results, ours)
-        for point in entry["points"][1:] if args.critic_eval and name.startswith("ppo") else []:
-            if "value_head" not in point:
-                log(f"{key}: update {point['update']}: the value head against true V")
-                checkpoint = rdir / "checkpoints" / f"update_{point['update']:06d}"
-                point["value_head"] = critic.ppo_value_head(held_out_probe(), warm, checkpoint)
-                save(results_file, results, ours)
+                log(f"{key}: update {update}: sampled {success(entry['points'][-1]):.2f}")
+            for point in entry["points"][1:] if args.critic_eval and name.startswith("tempo") else []:
+                if "critic" not in point:
+                    log(f"{key}: update {point['update']}: the critic against true V")
+                    point["critic"] = critic_point(rdir / "checkpoints" / f"update_{point['update']:06d}")
+                    save(results_file, results, ours)
+            for point in entry["points"][1:] if args.critic_eval and name.startswith("ppo") else []:
+                if "value_head" not in point:
+                    log(f"{key}: update {point['update']}: the value head against true V")
+                    checkpoint = rdir / "checkpoints" / f"update_{point['update']:06d}"
+                    point["value_head"] = critic.ppo_value_head(held_out_probe(), warm, checkpoint)
+                    save(results_file, results, ours)
     report(results, out, args)
 
 
 def report(results: dict, out: Path, args: Args) -> None:
-    arms = args.algorithms or arms_in(results)
-    table = summarise(results, arms)
+    arms = args.algorithms or arms_in(results, args.reference)
+    table = summarise(results, arms, args.reference)
     signals = signals_summary(results, arms)
     if signals:
         table += "\nWhat the updates saw (means over updates, then seeds; TEMPO's actor/ and td/: TD updates):\n\n"

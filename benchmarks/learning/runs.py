@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import adca_grpo
+from benchmarks.vllm_cpu import on_cores
 
 ROOT = Path(__file__).resolve().parents[2]
 UPDATES, SAVE_EVERY = 12, 6  # a run's updates and its checkpoint interval (compare.py's defaults)
@@ -28,6 +29,10 @@ UNCERTAIN_BAND = ["--state-selection", "uncertain", "--uncertain-band", "0.05", 
 # name -> (script, flags added to its `learning` preset: the benchmark's recipe, written in the script)
 ALGORITHMS = {
     "grpo": ("adca_grpo.py", ["--no-attribution"]),
+    # GRPO sampling through a CPU vLLM server that compare.py starts (the baseline of grpo_async1: the same sampler)
+    "grpo_vllm": ("adca_grpo.py", ["--no-attribution", "--sampler", "vllm"]),
+    # grpo_vllm with the batch of the next update sampled while the current one trains (one version behind)
+    "grpo_async1": ("adca_grpo.py", ["--no-attribution", "--sampler", "vllm", "--async-steps", "1"]),
     "adca_oracle": ("adca_grpo.py", []),
     "gigpo": ("gigpo.py", []),
     "ppo": ("ppo.py", []),  # a linear value head on the policy's trunk, turn-level GAE
@@ -106,21 +111,32 @@ def algorithm(name: str) -> tuple[str, list[str]]:
     return script, flags
 
 
-def run(command: list[str], threads: int) -> None:
-    """A script's command line (`script.py ...`) as a subprocess from the repository root, on `threads` threads."""
+def needs_server(name: str) -> bool:
+    """Whether arm `name` samples through a vLLM server (--sampler vllm): its command needs the server's URL."""
+    flags = algorithm(name)[1]
+    return "--sampler" in flags and flags[flags.index("--sampler") + 1] == "vllm"
+
+
+def run(command: list[str], threads: int, cores: list[int] | None = None) -> None:
+    """A script's command line (`script.py ...`) as a subprocess from the repository root, on `threads` threads (and
+    only on `cores`, if given)."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     env.update(HF_HUB_OFFLINE="1", WANDB_MODE="disabled")
-    subprocess.run([sys.executable, *command], cwd=ROOT, env=env, check=True)
+    subprocess.run([sys.executable, *command], cwd=ROOT, env=env, check=True, preexec_fn=on_cores(cores))
 
 
 def algorithm_command(
     name: str, seed: int, updates: int, warm: Path, games: Path, runs: Path, setting: str, save_every: int,
-    tempo_td_updates: int = 0,
+    tempo_td_updates: int = 0, sampler_url: str = "",
 ) -> list[str]:  # fmt: skip
     """`script.py learning`: the script's own preset of the setting's recipe, at this run's seed and updates (TEMPO:
     run_updates, of which the variant's --warmup-updates or else a quarter warm-up), a checkpoint every save_every
-    updates."""
+    updates; an arm that samples through a vLLM server (needs_server) at sampler_url, a server of the warm start."""
     script, flags = algorithm(name)
+    if needs_server(name):
+        if not sampler_url:
+            raise ValueError(f"arm {name!r} samples through a vLLM server: its command needs the server's URL")
+        flags = [*flags, "--sampler-url", sampler_url]
     if script == "tempo.py":
         if "--warmup-updates" in flags:  # the variant's own warm-up
             warmup = int(flags[flags.index("--warmup-updates") + 1])

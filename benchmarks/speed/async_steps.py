@@ -22,17 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
-import psutil
-
 import common
-from benchmarks.vllm_cpu import ROOT, VllmServer
-
-
-def pin(pid: int, cores: list[int]) -> None:
-    """The process and its children (vLLM's EngineCore and worker) on these cores."""
-    process = psutil.Process(pid)
-    for each in [process, *process.children(recursive=True)]:
-        each.cpu_affinity(cores)
+from benchmarks.vllm_cpu import ROOT, VllmServer, on_cores, split_cores
 
 
 def run_job(steps: int, url: str, output_dir: Path, args, trainer_cores: list[int] | None) -> list[dict]:
@@ -45,8 +36,10 @@ def run_job(steps: int, url: str, output_dir: Path, args, trainer_cores: list[in
     ]  # fmt: skip
     log = output_dir / f"k{steps}.log"
     with open(log, "a") as out:
-        preexec = (lambda: os.sched_setaffinity(0, trainer_cores)) if trainer_cores else None
-        if subprocess.run(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, preexec_fn=preexec).returncode:
+        done = subprocess.run(
+            command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, preexec_fn=on_cores(trainer_cores)
+        )
+        if done.returncode:
             raise RuntimeError(f"the K = {steps} run failed:\n" + log.read_text()[-3000:])
     (metrics,) = sorted(output_dir.glob(f"grpo-k{steps}__*/metrics.jsonl"))[-1:]
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
@@ -72,15 +65,12 @@ def main():
     args = parser.parse_args()
     if args.num_updates < 2 or 0 not in args.steps:
         parser.error("--num-updates must be >= 2 (update 1 has nothing to overlap) and --steps must include 0")
-    cores = sorted(os.sched_getaffinity(0))
+    cores, (server_cores, trainer_cores) = len(os.sched_getaffinity(0)), split_cores()
     load = os.getloadavg()[0]
-    print(f"load average {load:.1f} on {len(cores)} cores" + (" (busy: the figures are contaminated)" if load > 1 else ""))
+    print(f"load average {load:.1f} on {cores} cores" + (" (busy: the figures are contaminated)" if load > 1 else ""))
     with tempfile.TemporaryDirectory() as tmp:
-        with VllmServer(common.resolve_model("tiny-agent"), Path(tmp) / "server.log", max_model_len=8192) as server:
-            trainer_cores = None
-            if len(cores) >= 2:
-                pin(server.process.pid, cores[:1])
-                trainer_cores = cores[1:2]
+        model = common.resolve_model("tiny-agent")
+        with VllmServer(model, Path(tmp) / "server.log", max_model_len=8192, cores=server_cores) as server:
             per_arm = {steps: [] for steps in args.steps}
             for repeat in range(args.repeats):
                 for steps in args.steps:

@@ -8,24 +8,35 @@ why). Each runs in its own process on one thread; the two take turns update by u
 TRL first on even ones), so whatever else loads the machine hits both alike.
 
 Printed: per update (median over updates 2..N; update 1 holds the start-up costs and the token check) wall time,
-generation and training time, generated and trained tokens/s, prompt tokens prefilled, peak RSS, TRL / ours; the
-sampled success of every update; and the check that each trained on exactly the tokens it sampled (update 1).
+generation and training time, generated and trained tokens/s, the update's sequence tokens per wall second, prompt
+tokens prefilled, peak RSS, TRL / ours; the sampled success of every update; and the check that each trained on exactly
+the tokens it sampled (update 1).
+
+With --sampler vllm ours samples through a CPU vLLM server started here (benchmarks/vllm_cpu.py; on one core, each
+side's trainer on the other), and with --async-steps K >= 1 samples the next batches while it trains. Its generation
+time is then the sampling of its batch (in the background, overlapping the update before), its prefilled tokens the
+server's (vllm:prompt_tokens_by_source, local_compute: what its prefix cache did not hold), and it runs all its updates
+before TRL runs any: taking turns, its sampling thread would go on sampling during TRL's.
 
     pip install -e '.[peer]'
     python -m benchmarks.speed.trl_peer                            # 12 updates each
     python -m benchmarks.speed.trl_peer --setting learning-long    # the 20-turn games, where re-feeding costs TRL most
     python -m benchmarks.speed.trl_peer --trl-gradient-checkpointing   # TRL's default: less memory, slower
+    python -m benchmarks.speed.trl_peer --setting learning-long --num-updates 4 --sampler vllm --async-steps 1
+                                                                 # ours one step ahead through vLLM, 20 turns
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import json
 import multiprocessing
 import os
 import platform
+import re
 import resource
 import statistics
 import time
@@ -33,11 +44,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+import psutil
 import torch
 import tyro
 
 import adca_grpo
 import common
+from benchmarks.vllm_cpu import VllmServer, split_cores
 
 # (our flag = value, what TRL does instead, why it cannot be matched)
 UNMATCHED = (
@@ -78,6 +91,12 @@ class Args:
     """TRL with its default gradient checkpointing (ours has none on CPU)"""
     output_dir: str = "runs/trl-peer"
     """where the workers' logs, our run directory and results.json go"""
+    sampler: Literal["generate", "vllm"] = "generate"
+    """how ours samples: generate (in its process, as TRL) or vllm (a CPU vLLM server started here, on its own core)"""
+    async_steps: int = 0
+    """ours' --async-steps (>= 1 needs --sampler vllm): its next batches sampled while it trains"""
+    sampler_url: str = ""
+    """with --sampler vllm: a running server of the setting's tiny agent to use instead of starting one"""
 
 
 # =============================================================================================
@@ -86,7 +105,10 @@ class Args:
 def script_args(args: Args) -> adca_grpo.Args:
     """adca_grpo.Args as `adca_grpo.py SETTING --no-attribution ...` parses them (one thread, checkpoint at the end)."""
     argv = [args.setting, "--no-attribution", "--num-updates", str(args.num_updates), "--seed", str(args.seed),
-            "--threads", "1", "--save-every", "0", "--output-dir", str(Path(args.output_dir) / "ours")]  # fmt: skip
+            "--threads", "1", "--save-every", "0", "--output-dir", str(Path(args.output_dir) / "ours"),
+            "--async-steps", str(args.async_steps)]  # fmt: skip
+    if args.sampler == "vllm":  # no evaluation: every play is a training batch, and no untimed play to sample ahead in
+        argv += ["--sampler", "vllm", "--sampler-url", args.sampler_url, "--eval-every", "0"]
     for flag, value in (
         ("--groups-per-update", args.groups_per_update),
         ("--group-size", args.group_size),
@@ -104,7 +126,6 @@ def trl_settings(a: adca_grpo.Args, first_prompt_tokens: int, output_dir: str, g
     common.check(
         (a.kl_beta == 0, "trl_peer: TRL has no KL reward shaping (--kl-beta)"),
         (a.mini_batches == 1, "trl_peer: TRL splits a rollout into optimizer steps differently (--mini-batches)"),
-        (a.sampler == "generate", "trl_peer: TRL's side samples with generate(), so ours does too (--sampler)"),
     )
     config = dict(
         output_dir=output_dir,
@@ -196,20 +217,45 @@ def peak_rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
+def peak_rss_tree_gb(pid: int) -> float:
+    """The sum of each process's peak RSS (VmHWM) over `pid` and its children: an upper bound on their joint peak."""
+    processes = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    status = [Path(f"/proc/{process.pid}/status").read_text() for process in processes]
+    return sum(int(re.search(r"VmHWM:\s+(\d+) kB", text).group(1)) for text in status) / 2**20
+
+
+def server_prefilled(url: str) -> float:
+    """The prompt tokens the vLLM server at url computed so far, those its prefix cache held left out (GET /metrics:
+    vllm:prompt_tokens_by_source, source local_compute)."""
+    import httpx
+
+    text = httpx.get(url.removesuffix("/v1") + "/metrics", timeout=60).text
+    counter = "vllm:prompt_tokens_by_source_total{"
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith(counter) and 'source="local_compute"' in line]  # fmt: skip
+    if not values:
+        raise RuntimeError(f"{url}: GET /metrics has no vllm:prompt_tokens_by_source_total{{source=\"local_compute\"}}")
+    return sum(values)
+
+
 class Turns:
     """A worker's side of the alternation: say it is ready, wait for its turn, run one update, send its figures."""
 
     def __init__(self, conn):
-        self.conn, self.ready = conn, False
+        self.conn, self.ready, self.started = conn, False, None
 
     def wait(self) -> float:
-        if not self.ready:
-            self.conn.send({"ready": True})
-            self.ready = True
-        self.conn.recv()
-        return time.perf_counter()
+        """Waits for the update's turn and returns when it began (at once if it has already begun)."""
+        if self.started is None:
+            if not self.ready:
+                self.conn.send({"ready": True})
+                self.ready = True
+            self.conn.recv()
+            self.started = time.perf_counter()
+        return self.started
 
     def report(self, figures: dict) -> None:
+        self.started = None
         self.conn.send(figures | {"peak_rss_gb": peak_rss_gb()})
 
 
@@ -223,49 +269,79 @@ def log_to(path: Path) -> None:
 # =============================================================================================
 # Ours: adca_grpo.main itself, each update run when the parent says so
 # =============================================================================================
-def ours_worker(conn, args: Args) -> None:
+def ours_worker(conn, args: Args, cores: list[int] | None) -> None:
     log_to(Path(args.output_dir) / "ours.log")
+    if cores:
+        os.sched_setaffinity(0, cores)
     turns, log, check = Turns(conn), SampleLog(), {}
+    log.recording = True  # until update 1's check: with --async-steps its batch is sampled before the update begins
     sample, train_step, update_fn = common.GenerateSampler.__call__, common.train_step, adca_grpo.adca_update
+    complete_all, start_rollouts = common.ServerSampler._complete_all, common.AsyncRollouts.__init__
+    play = common.Runtime.play
+    batches = []  # --sampler vllm: (seconds, tokens the server prefilled) of each training batch's play, in order
 
     def recorded_sample(sampler, prompts, max_new_tokens):
         completions = sample(sampler, prompts, max_new_tokens)
         log.add(prompts, [c.tokens for c in completions])
         return completions
 
+    async def recorded_complete_all(sampler, prompts, max_new_tokens, adapter):
+        completions = await complete_all(sampler, prompts, max_new_tokens, adapter)
+        log.add(prompts, [c.tokens for c in completions])
+        return completions
+
+    def timed_play(rt, *play_args, **play_kwargs):
+        prefilled, start = server_prefilled(rt.args.sampler_url), time.perf_counter()
+        groups = play(rt, *play_args, **play_kwargs)
+        batches.append((time.perf_counter() - start, server_prefilled(rt.args.sampler_url) - prefilled))
+        return groups
+
+    def rollouts_from_turn_1(rollouts, *init_args):  # the sampling thread starts with update 1's turn, not before
+        turns.wait()
+        start_rollouts(rollouts, *init_args)
+
     def checked_train_step(rt, datums, loss_fn):
         if log.recording:  # update 1: the datums hold the sampled tokens, and the trainer gives them their logprobs
             log.recording = False
-            fresh = common.trained_logprobs(rt, datums)
             check.update(
                 sequences=len(datums),
                 as_sampled=sum(log.trained_as_sampled(d.tokens, [m > 0 for m in d.mask]) for d in datums),
-                max_logprob_diff=max(abs(new - old) for d, f in zip(datums, fresh)
-                                     for new, old, m in zip(f, d.old_logprobs, d.mask) if m),
-            )  # fmt: skip
+            )
+            if args.sampler == "generate":  # through the server they are the trainer's already: see timed_update
+                fresh = common.trained_logprobs(rt, datums)
+                check["max_logprob_diff"] = max(abs(new - old) for d, f in zip(datums, fresh)
+                                                for new, old, m in zip(f, d.old_logprobs, d.mask) if m)  # fmt: skip
         return train_step(rt, datums, loss_fn)
 
     def timed_update(rt, update):
-        log.recording = update == 1
-        prefilled = rt.sample_fn.stats["prefilled"]
         start = turns.wait()
+        prefilled = 0 if args.sampler == "vllm" else rt.sample_fn.stats["prefilled"]
         metrics, samples = update_fn(rt, update)
         wall = time.perf_counter() - start
+        if args.sampler == "vllm":  # at K >= 1 the batch was sampled in the background, during the update before
+            generation_s, prefilled = batches[update - 1]
+            if update == 1:  # the trainer recomputed the old logprobs: the check is the server's drift from them
+                check["max_logprob_diff"] = metrics["rollout/logprob_drift_max"]
+        else:
+            generation_s, prefilled = metrics["time/rollout"], rt.sample_fn.stats["prefilled"] - prefilled
         turns.report(
             dict(
                 update=update,
                 wall_s=wall,
-                generation_s=metrics["time/rollout"],
-                training_s=wall - metrics["time/rollout"],
+                generation_s=generation_s,
+                training_s=wall - metrics["time/rollout"],  # at K >= 1 time/rollout is the wait for the batch
                 generated_tokens=metrics["rollout/generated_tokens"],
                 sequence_tokens=metrics["train/sequence_tokens"],
-                prefilled_tokens=rt.sample_fn.stats["prefilled"] - prefilled,
+                prefilled_tokens=prefilled,
                 success=metrics["rollout/success_rate"],
             )
         )
         return metrics, samples
 
     common.GenerateSampler.__call__, common.train_step = recorded_sample, checked_train_step
+    common.ServerSampler._complete_all, common.AsyncRollouts.__init__ = recorded_complete_all, rollouts_from_turn_1
+    if args.sampler == "vllm":
+        common.Runtime.play = timed_play
     adca_grpo.adca_update = timed_update  # main() looks it up at each update
     adca_grpo.main(script_args(args))
     conn.send({"done": True, "check": check, "peak_rss_gb": peak_rss_gb()})
@@ -318,8 +394,10 @@ AlfworldEnvironment.alfworld_step.__doc__ = (
 )
 
 
-def trl_worker(conn, args: Args) -> None:
+def trl_worker(conn, args: Args, cores: list[int] | None) -> None:
     log_to(Path(args.output_dir) / "trl.log")
+    if cores:
+        os.sched_setaffinity(0, cores)
     os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback, set_seed
@@ -438,6 +516,7 @@ COLUMNS = (  # (name, per-update value)
     ("training s", lambda r: r["training_s"]),
     ("generated tok/s", lambda r: r["generated_tokens"] / r["generation_s"]),
     ("trained tok/s (sequence)", lambda r: r["sequence_tokens"] / r["training_s"]),
+    ("sequence tok / wall s", lambda r: r["sequence_tokens"] / r["wall_s"]),
     ("prompt tokens prefilled", lambda r: r["prefilled_tokens"]),
     ("generated tokens", lambda r: r["generated_tokens"]),
 )
@@ -461,6 +540,9 @@ def main(args: Args) -> dict:
         *((value is None or value >= 1, f"--{name} must be >= 1") for name, value in (
             ("groups-per-update", args.groups_per_update), ("group-size", args.group_size),
             ("max-turns", args.max_turns))),
+        (args.async_steps >= 0, "--async-steps must be >= 0"),
+        (args.sampler == "vllm" or not (args.async_steps or args.sampler_url),
+         "--async-steps and --sampler-url need --sampler vllm"),
     )  # fmt: skip
     try:
         import trl  # noqa: F401
@@ -470,32 +552,57 @@ def main(args: Args) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     a = script_args(args)
-    common.resolve_model(a.model)  # a tiny agent and its games are made (once) here, not by both workers at once
+    model = common.resolve_model(a.model)  # a tiny agent and its games are made (once) here, not by both workers
     common.resolve_data_root(a.data_root, a.model)
-    print(f"`adca_grpo.py {args.setting} --no-attribution` vs TRL's GRPOTrainer: {a.num_updates} updates of "
-          f"{a.groups_per_update} groups x {a.group_size}, <= {a.max_turns} turns of <= {a.max_turn_tokens} "
-          f"tokens, one thread each, taking turns; logs in {out}/")  # fmt: skip
+    with contextlib.ExitStack() as stack:
+        server, trainer_cores = None, None
+        if args.sampler == "vllm" and not args.sampler_url:
+            server_cores, trainer_cores = split_cores()
+            print(f"a vLLM server of {model} for ours on cores {server_cores}, the trainers on {trainer_cores}")
+            log_file, context = out / "vllm-server.log", a.max_trajectory_tokens
+            server = VllmServer(model, log_file, max_model_len=context, cores=server_cores)
+            args = dataclasses.replace(args, sampler_url=stack.enter_context(server).url)
+        sampler = f"through vLLM at --async-steps {args.async_steps}" if args.sampler == "vllm" else "in-process"
+        print(f"`adca_grpo.py {args.setting} --no-attribution` ({sampler}) vs TRL's GRPOTrainer: {a.num_updates} "
+              f"updates of {a.groups_per_update} groups x {a.group_size}, <= {a.max_turns} turns of <= "
+              f"{a.max_turn_tokens} tokens, one thread each, "
+              f"{'ours first, then TRL' if args.async_steps else 'taking turns'}; logs in {out}/")  # fmt: skip
+        results = run_both(args, trainer_cores)
+        if server is not None:
+            results["server_peak_rss_gb"] = peak_rss_tree_gb(server.process.pid)
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    print_table(results)
+    return results
+
+
+def run_both(args: Args, trainer_cores: list[int] | None) -> dict:
+    """Both workers' updates (taking turns; with --async-steps, ours all first: its sampling thread would otherwise
+    sample during TRL's turns) and what they reported."""
     context = multiprocessing.get_context("spawn")
     workers = {}
     for name, target in (("ours", ours_worker), ("trl", trl_worker)):
         parent, child = context.Pipe()
-        process = context.Process(target=target, args=(child, args), name=name, daemon=True)
+        process = context.Process(target=target, args=(child, args, trainer_cores), name=name, daemon=True)
         process.start()
         workers[name] = (process, parent)
+    updates = range(1, args.num_updates + 1)
+    if args.async_steps:
+        schedule = [(update, name) for name in ("ours", "trl") for update in updates]
+    else:
+        turns = {update: ("ours", "trl") if update % 2 else ("trl", "ours") for update in updates}
+        schedule = [(update, name) for update in updates for name in turns[update]]
     reports = {name: [] for name in workers}
     loads, finals = [], {}
     try:
         for name, (process, conn) in workers.items():
             receive(name, process, conn)  # loaded: ready for update 1
-        for update in range(1, args.num_updates + 1):
-            order = ["ours", "trl"] if update % 2 else ["trl", "ours"]
+        for update, name in schedule:
+            process, conn = workers[name]
             loads.append(os.getloadavg()[0])
-            for name in order:
-                process, conn = workers[name]
-                conn.send("go")
-                reports[name].append(receive(name, process, conn))
-                print(f"update {update:3d} {name:4s} " + "  ".join(f"{k} {v:.3g}" for k, v in reports[name][-1].items()
-                                                                    if k != "update"), flush=True)  # fmt: skip
+            conn.send("go")
+            reports[name].append(receive(name, process, conn))
+            print(f"update {update:3d} {name:4s} " + "  ".join(f"{k} {v:.3g}" for k, v in reports[name][-1].items()
+                                                                if k != "update"), flush=True)  # fmt: skip
         for name, (process, conn) in workers.items():
             finals[name] = receive(name, process, conn)
             process.join()
@@ -503,7 +610,7 @@ def main(args: Args) -> dict:
         for process, _ in workers.values():
             if process.is_alive():
                 process.terminate()
-    results = {
+    return {
         "args": dataclasses.asdict(args),
         "versions": versions(),
         "cores": len(os.sched_getaffinity(0)),
@@ -512,9 +619,6 @@ def main(args: Args) -> dict:
         "checks": {name: finals[name]["check"] for name in workers},
         "peak_rss_gb": {name: finals[name]["peak_rss_gb"] for name in workers},
     }
-    (out / "results.json").write_text(json.dumps(results, indent=1))
-    print_table(results)
-    return results
 
 
 def receive(name: str, process, conn) -> dict:
@@ -538,6 +642,16 @@ def print_table(results: dict) -> None:
         print(f"| {name} | {cells[0]} | {cells[1]} | {statistics.median(trl) / statistics.median(ours):.2f} |")
     rss = results["peak_rss_gb"]
     print(f"| peak RSS GB | {rss['ours']:.2f} | {rss['trl']:.2f} | {rss['trl'] / rss['ours']:.2f} |")
+    if "server_peak_rss_gb" in results:
+        ours = rss["ours"] + results["server_peak_rss_gb"]
+        print(f"| peak RSS GB, ours + its vLLM server | {ours:.2f} | {rss['trl']:.2f} | {rss['trl'] / ours:.2f} |")
+    ours, trl = (statistics.median(after_first(reports[side], dict(COLUMNS)["sequence tok / wall s"]))
+                 for side in ("ours", "trl"))  # fmt: skip
+    print(f"ours / TRL, sequence tokens per wall second: {ours / trl:.2f}x")
+    if results["args"]["sampler"] == "vllm":
+        print(f"ours sampled through a vLLM server at --async-steps {results['args']['async_steps']}: its generation s "
+              "is its play of the update's batch (at K >= 1 in the background, during the update before), its "
+              "prefilled tokens the server's own (its prefix cache's hits left out)")  # fmt: skip
     for side in ("ours", "trl"):
         print(f"sampled success per update, {side}: " + " ".join(f"{r['success']:.2f}" for r in reports[side]))
     checks = results["checks"]
