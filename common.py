@@ -1980,7 +1980,7 @@ def replace_old_logprobs(datums: list[Datum], logprobs: list[list[float]]) -> li
 def drift_metrics(drift: list[float]) -> dict:
     return {
         "rollout/logprob_drift_mean": math.fsum(drift) / max(1, len(drift)),
-        "rollout/logprob_drift_max": max(drift, default=0.0),
+        "rollout/logprob_drift_max": Max(max(drift, default=0.0)),
     }
 
 
@@ -2280,9 +2280,14 @@ class Count(float):
     """A metric that counts something: summed over the processes, where every other metric is averaged."""
 
 
+class Max(float):
+    """A metric that is a maximum: the largest over the processes (a bound it is checked against holds on each)."""
+
+
 def reduce_metrics(accelerator, metrics: dict) -> dict:
-    """Metrics of all processes: a Count is summed, everything else averaged over the processes that report it.
-    An int (or bool) metric is refused: a count must say that it is one, or it would be averaged silently."""
+    """Metrics of all processes: a Count is summed, a Max is the largest, everything else averaged over the processes
+    that report it. An int (or bool) metric is refused: a count must say that it is one, or it would be averaged
+    silently."""
     from accelerate.utils import gather_object
 
     for key, value in metrics.items():
@@ -2292,7 +2297,12 @@ def reduce_metrics(accelerator, metrics: dict) -> dict:
     merged = {}
     for key in dict.fromkeys(k for m in per_rank for k in m):
         values = [m[key] for m in per_rank if key in m]
-        merged[key] = sum(values) if isinstance(values[0], Count) else sum(values) / len(values)
+        if isinstance(values[0], Count):
+            merged[key] = sum(values)
+        elif isinstance(values[0], Max):
+            merged[key] = max(values)
+        else:
+            merged[key] = sum(values) / len(values)
     return merged
 
 
@@ -2948,7 +2958,7 @@ class AsyncRollouts:
         """rollout/staleness_mean and _max: versions between the weights trained and the adapter that sampled."""
         return {
             "rollout/staleness_mean": math.fsum(self.staleness) / max(1, len(self.staleness)),
-            "rollout/staleness_max": float(max(self.staleness, default=0)),
+            "rollout/staleness_max": Max(max(self.staleness, default=0)),
         }
 
     def close(self) -> None:

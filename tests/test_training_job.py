@@ -220,11 +220,11 @@ def killed_job(games_root, tiny_model_dir, tmp_path_factory, judge):
 
 
 def test_a_count_metric_says_so_and_an_int_metric_is_refused():
-    """Counts are summed over the processes, everything else averaged (the 2-process runs below check the sums);
-    a bare int could be either, so it fails loudly instead of being averaged."""
+    """Counts are summed over the processes, maxima the largest, everything else averaged (the 2-process runs below
+    check the sums); a bare int could be either, so it fails loudly instead of being averaged."""
     accelerator = common.make_accelerator()
-    merged = common.reduce_metrics(accelerator, {"x/requests": common.Count(3), "x/rate": 0.5})
-    assert merged == {"x/requests": 3.0, "x/rate": 0.5}
+    merged = common.reduce_metrics(accelerator, {"x/requests": common.Count(3), "x/rate": 0.5, "x/peak": common.Max(2)})
+    assert merged == {"x/requests": 3.0, "x/rate": 0.5, "x/peak": 2.0}
     for value in (3, True):
         with pytest.raises(TypeError, match="metric x/requests is an int: make it Count"):
             common.reduce_metrics(accelerator, {"x/requests": value})
@@ -709,9 +709,12 @@ def test_nonfinite_loss_skips_the_step(name, games_root, tiny_model_dir, tmp_pat
 # =============================================================================================
 # A real 2-process job: `accelerate launch` on CPU (gloo), W&B offline
 # =============================================================================================
-def launch(name, values: dict, tmp_path: Path, timeout_s: int = 240) -> tuple[subprocess.CompletedProcess, list[int]]:
-    """`accelerate launch` with 2 CPU processes under `timeout`; returns the result and the pids of any process of
-    the job still alive after it ended (found by a marker in their environment; they are killed)."""
+def launch(
+    name, values: dict, tmp_path: Path, timeout_s: int = 240, preset: str = "", cwd: Path | None = None
+) -> tuple[subprocess.CompletedProcess, list[int]]:
+    """`accelerate launch` with 2 CPU processes under `timeout` (the script's preset, if given, then the values), in
+    cwd (default tmp_path); returns the result and the pids of any process of the job still alive after it ended
+    (found by a marker in their environment; they are killed)."""
     marker = uuid.uuid4().hex
     command = [
         "timeout",
@@ -730,12 +733,15 @@ def launch(name, values: dict, tmp_path: Path, timeout_s: int = 240) -> tuple[su
         "--dynamo_backend",
         "no",
         str(ROOT / f"{name}.py"),
+        *([preset] if preset else []),
         *cli(values),
     ]
     env = job_env(
         WANDB_MODE="offline", WANDB_DIR=str(tmp_path / "wandb"), OMP_NUM_THREADS="1", TRAINING_JOB_MARKER=marker
     )
-    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout_s + 30)
+    result = subprocess.run(
+        command, cwd=cwd or tmp_path, env=env, capture_output=True, text=True, timeout=timeout_s + 30
+    )
     time.sleep(1.0)  # let exiting children go
     leftovers = []
     for process in psutil.process_iter():
