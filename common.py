@@ -2529,6 +2529,12 @@ def validate_model_args(args) -> None:
             "trained and on the cores training uses, so there is nothing to overlap it with",
         ),
         (
+            not (args.fsdp and args.async_steps),
+            "--async-steps with --fsdp is not supported: a datum's logprobs are recomputed under the weights of the "
+            "version that sampled it, and under --fsdp forward passes run on weights gathered by a collective, which "
+            "processes holding data of different versions cannot join",
+        ),
+        (
             args.max_trajectory_tokens > args.max_turn_tokens,
             f"--max-trajectory-tokens ({args.max_trajectory_tokens}) must exceed --max-turn-tokens ({args.max_turn_tokens})",
         ),

@@ -682,7 +682,7 @@ def td_metrics(groups, critic: CriticPass, signals, weights, start_values) -> di
     parsed_weights = [w for w in weights if w is not None]
     if parsed_weights:
         metrics["td/prefix_is_weight_mean"] = statistics.fmean(parsed_weights)
-        metrics["td/prefix_is_weight_max"] = max(parsed_weights)
+        metrics["td/prefix_is_weight_max"] = common.Max(max(parsed_weights))
     endpoint_values = [v for values in critic.branch_values for v in values if v is not None]
     if endpoint_values:
         metrics["critic/endpoint_value_mean"] = statistics.fmean(endpoint_values)

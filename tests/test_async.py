@@ -148,6 +148,8 @@ def test_two_processes_sample_ahead_each_within_the_bound_with_adapters_the_main
         (gigpo, dict(async_steps=-1), "--async-steps must be >= 0"),
         (gigpo, dict(async_steps=1, sampler="vllm", sampler_url="http://x/v1", behaviour_weight_cap=0.5),
          "--behaviour-weight-cap must be >= 1"),
+        (gigpo, dict(async_steps=1, sampler="vllm", sampler_url="http://x/v1", fsdp=True),
+         "--async-steps with --fsdp is not supported"),
         (tempo, dict(async_steps=1, sampler="vllm", sampler_url="http://x/v1"), "--async-steps: tempo.py samples"),
     ],
 )  # fmt: skip
