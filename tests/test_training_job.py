@@ -23,6 +23,7 @@ from accelerate.utils import set_seed
 from algorithm_scripts import MODULES
 from chat_server import ScriptedEndpoint
 from safetensors.torch import load_file
+from test_vllm import assert_trained_on_the_served_policy, served_adapters
 
 import adca_grpo
 import common
@@ -161,7 +162,10 @@ def kill_after(name) -> int:
 
 
 def total_updates(name) -> int:
-    values = budget(name)
+    return updates(budget(name))
+
+
+def updates(values: dict) -> int:
     return values["num_updates"] if "num_updates" in values else values["warmup_updates"] + values["td_updates"]
 
 
@@ -880,23 +884,52 @@ def launch_killed(name, values: dict, tmp_path: Path, after: int) -> str:
     return stderr_path.read_text()
 
 
-# Every script with LoRA; killed and resumed: ADCA-GRPO (the judge's labels train its adapter) and ppo.py with full
-# weights and a value head
-FSDP_JOBS = [(name, 4, name == "adca_grpo") for name in SCRIPTS] + [("ppo", 0, True)]
+@pytest.fixture(scope="module")
+def tiny_agent() -> dict:
+    """The tiny agent (assets/tiny-agent) on its own games (made once into the cache)."""
+    model, games = offline.tiny_agent()
+    return dict(model=str(model), data_root=str(games), task_types=offline.TINY_AGENT_TASK_TYPES)
+
+
+# Every script twice, LoRA and full weights, each run trained; one of the two also SIGKILLed mid-update and resumed:
+# LoRA for ADCA-GRPO (the judge's labels train its adapter), full weights for the others (ppo.py: and its value head)
+FSDP_KILLED_WITH_LORA = ("adca_grpo",)
+FSDP_JOBS = [(name, rank, rank == (4 if name in FSDP_KILLED_WITH_LORA else 0)) for name in SCRIPTS for rank in (4, 0)]
+# The random tiny model trains nothing in TEMPO (its critic never writes a value) or GiGPO (no reply is a tool call:
+# every step is penalised alike); the tiny agent does, in every update. TEMPO: at 48-token turns (whole actions) its
+# critic's 4 values of a state differ; GiGPO: at 24-token turns some replies are cut short (invalid actions, penalised)
+# and others are not. At 1e-2 with full weights the agent wrote no critic value after one update: 1e-4.
+FSDP_ON_THE_TINY_AGENT = {
+    "tempo": dict(max_turn_tokens=48, critic_samples=4, learning_rate=1e-4),
+    "gigpo": dict(max_turn_tokens=24, learning_rate=1e-4),
+}
+FSDP_VLLM = "gigpo"  # its LoRA job samples through the vLLM server (on the tiny agent, which the server serves)
+FSDP_EVAL_ONLY = "gigpo"  # its resumed run (full weights) is also evaluated with --eval-only (once: ~5-10 s each)
 
 
 @pytest.mark.parametrize("name, lora_rank, kill", FSDP_JOBS)
-def test_fsdp_two_process_job(name, lora_rank, kill, games_root, tiny_model_dir, tmp_path, monkeypatch):
+def test_fsdp_two_process_job(
+    name, lora_rank, kill, games_root, tiny_model_dir, tiny_agent, tmp_path, monkeypatch, request
+):
     """--fsdp on 2 processes: the job trains, its checkpoints hold the whole weights (identical on both ranks) and the
     whole optimizer state; with `kill`, the same job SIGKILLed mid-update and resumed with --resume auto logs the same
-    metrics and ends with the same weights and optimizer state."""
+    metrics and ends with the same weights and optimizer state (GiGPO's: --eval-only then evaluates it in one process).
+    GiGPO's LoRA job samples through the vLLM server, which serves the adapter of the weights each update trains."""
     monkeypatch.setenv(JUDGE_KEY_ENV, "not-a-secret")  # inherited by the job
+    vllm = request.getfixturevalue("vllm") if name == FSDP_VLLM and lora_rank else None
     with judge_endpoint() if name == "adca_grpo" else contextlib.nullcontext() as judge:
         url = judge.url if judge else ""
         straight = settings(
             name, games_root, tiny_model_dir, tmp_path / "straight", url, lora_rank=lora_rank, fsdp=True
         )
-        result, leftovers = launch(name, straight, tmp_path)
+        if "num_updates" in straight:  # the fewest for a kill in an update after a checkpoint (TEMPO's budget: 3)
+            straight["num_updates"] = kill_after(name) + 1
+        if name in FSDP_ON_THE_TINY_AGENT:
+            straight |= tiny_agent | FSDP_ON_THE_TINY_AGENT[name]
+        if vllm:
+            straight |= dict(sampler="vllm", sampler_url=vllm.url, sampler_adapter_dir=str(tmp_path / "adapters"))
+        # the vLLM job runs in the repo's directory: the server names its model by a path relative to it
+        result, leftovers = launch(name, straight, tmp_path, cwd=ROOT if vllm else None)
         assert result.returncode == 0 and not leftovers, result.stderr[-5000:]
         if kill:
             killed = {**straight, "output_dir": str(tmp_path / "killed")}
@@ -909,10 +942,12 @@ def test_fsdp_two_process_job(name, lora_rank, kill, games_root, tiny_model_dir,
             assert resumed.returncode == 0 and not leftovers, resumed.stderr[-5000:]
             assert f"resumed {tmp_path / 'killed'}" in resumed.stderr
     runs = [next((tmp_path / d).iterdir()) for d in ("straight", "killed")[: 1 + kill]]
-    n = total_updates(name)
-    for run in runs:
-        assert [r["update"] for r in read_rows(run / "metrics.jsonl")] == list(range(1, n + 1))
+    n = updates(straight)
+    rows = [read_rows(run / "metrics.jsonl") for run in runs]
+    for run, run_rows in zip(runs, rows):
+        assert [r["update"] for r in run_rows] == list(range(1, n + 1))
         assert [c.name for c in checkpoints(run)] == [f"update_{u:06d}" for u in range(1, n + 1)]
+    assert any(r.get("train/grad_norm", 0) > 0 for r in rows[0])  # it trained (TEMPO logs none for an idle update)
     final = [checkpoints(run)[-1] for run in runs]
     weights = [load_file(c / common.weights_file(lora=lora_rank > 0)) for c in final]
     state = json.loads((final[0] / "trainer_state.json").read_text())
@@ -920,23 +955,37 @@ def test_fsdp_two_process_job(name, lora_rank, kill, games_root, tiny_model_dir,
     assert result.stderr.count("identical on 2 process(es)") == n
     optimizer = [torch.load(c / "optimizer.pt", weights_only=True)["state"] for c in final]
     trained = sum(v.numel() for v in weights[0].values())
-    if optimizer[0]:  # TEMPO's test budget trains nothing (its tiny groups are degenerate): no state yet
-        assert sum(s["exp_avg"].numel() for s in optimizer[0].values()) >= trained  # whole, not one rank's shard
+    assert sum(s["exp_avg"].numel() for s in optimizer[0].values()) >= trained  # whole, not one rank's shard
     if lora_rank == 0:  # the checkpoint is a transformers model directory
         from transformers import AutoModelForCausalLM
 
         AutoModelForCausalLM.from_pretrained(final[0])
+    if vllm:
+        assert_trained_on_the_served_policy(rows[0])  # each update sampled from the served copy of what it trained
+        # The server's newest adapter (written once, the earlier ones removed): what the last update sampled with
+        sampled = checkpoints(runs[0])[-2]
+        digest = json.loads((sampled / "trainer_state.json").read_text())["adapter_sha256"]
+        adapter = f"{name}-{straight['lora_alpha']}-{digest[:16]}"
+        assert [p.name for p in (tmp_path / "adapters").iterdir()] == [adapter] and adapter in served_adapters(vllm.url)
+        served = load_file(tmp_path / "adapters" / adapter / "adapter_model.safetensors")
+        checkpointed = load_file(sampled / "adapter_model.safetensors")
+        assert served.keys() == checkpointed.keys() and all(torch.equal(served[k], checkpointed[k]) for k in served)
     if not kill:
         return
-    rows = [read_rows(run / "metrics.jsonl") for run in runs]
     for row, want in zip(rows[1], rows[0]):
         assert row.keys() == want.keys()
         for key in (k for k in row if not TIMING_KEYS.search(k)):
             expected = want[key] if isinstance(want[key], str) else pytest.approx(want[key], rel=1e-6, abs=1e-9)
             assert row[key] == expected, (row["update"], key)
+    assert any(r.get("train/grad_norm", 0) > 0 for r in rows[1][kill_after(name) :])  # the resumed updates trained
+    states = [json.loads((c / "trainer_state.json").read_text())["rank_states"] for c in final]
+    assert states[1] == states[0]  # each process's game cursor (TEMPO: and its state store)
     for key in weights[0]:
         torch.testing.assert_close(weights[1][key], weights[0][key], rtol=1e-5, atol=1e-7)
     for index in optimizer[0]:
         for key in ("exp_avg", "exp_avg_sq", "step"):
             torch.testing.assert_close(optimizer[1][index][key], optimizer[0][index][key], rtol=1e-5, atol=1e-9)
-    assert optimizer[0] and any(r["train/grad_norm"] > 0 for r in rows[0])  # it trained
+    if name == FSDP_EVAL_ONLY:  # in one process, no --fsdp: taken from the command line, not from the run's config
+        argv = ["--eval-only", str(runs[1]), "--output-dir", str(tmp_path / "eval")]
+        (row,) = read_rows(common.cli(SCRIPTS[name].Args, SCRIPTS[name].main, argv=argv) / "metrics.jsonl")
+        assert row["update"] == n and row["checkpoint"] == str(final[1]) and "eval/train/success_rate" in row
