@@ -114,7 +114,7 @@ def run_dir(runs: Path, name: str, seed: int) -> Path | None:
     return dirs[-1] if dirs else None
 
 
-def finished(runs: Path, name: str, seed: int, updates: int, td_updates: int) -> bool:
+def trained(runs: Path, name: str, seed: int, updates: int, td_updates: int) -> bool:
     """Whether the run of `name` at `seed` saved its last checkpoint."""
     rdir = run_dir(runs, name, seed)
     return rdir is not None and (rdir / "checkpoints" / f"update_{run_updates(name, updates, td_updates):06d}").is_dir()
@@ -237,8 +237,10 @@ def bracket(estimate: tuple[float, float, float]) -> str:
 def finished(run: dict) -> bool:
     """Evaluated past the start and, where its training metrics are kept, up to their last update (a run still being
     evaluated is not reported)."""
+    if len(run["points"]) < 2:
+        return False
     last = run["metrics"][-1]["update"] if run.get("metrics") else run["points"][-1].get("update")
-    return len(run["points"]) > 1 and run["points"][-1].get("update") == last
+    return run["points"][-1].get("update") == last
 
 
 def arm_runs(results: dict, name: str) -> list[dict]:
@@ -610,11 +612,18 @@ def main(args: Args) -> None:
         save(results_file, results, ours)
     runs_root = cache / f"runs-{mode}"
     runs_root.mkdir(parents=True, exist_ok=True)
-    pending = [name for name, seed in jobs if not finished(runs_root, name, seed, updates, td_updates)]
+
+    def kept(name: str, seed: int) -> bool:
+        """Finished and evaluated in results.json, its run directory not in this cache (another machine's run)."""
+        entry = results["runs"].get(f"{name}-s{seed}")
+        return entry is not None and finished(entry) and run_dir(runs_root, name, seed) is None
+
+    jobs = [(name, seed) for name, seed in jobs if not kept(name, seed)]
+    pending = [name for name, seed in jobs if not trained(runs_root, name, seed, updates, td_updates)]
     with sampler_server(args, warm, pending, runs_root / "vllm-server.log") as (sampler_url, cores):
         for name, seed in tqdm(jobs, desc="runs", unit="run", dynamic_ncols=True):
             key = f"{name}-s{seed}"
-            if not finished(runs_root, name, seed, updates, td_updates):
+            if not trained(runs_root, name, seed, updates, td_updates):
                 log(f"{key}: training")
                 command = algorithm_command(
                     name, seed, updates, warm, games, runs_root, args.setting, args.eval_every, td_updates,
