@@ -895,14 +895,19 @@ def tiny_agent() -> dict:
 # LoRA for ADCA-GRPO (the judge's labels train its adapter), full weights for the others (ppo.py: and its value head)
 FSDP_KILLED_WITH_LORA = ("adca_grpo",)
 FSDP_JOBS = [(name, rank, rank == (4 if name in FSDP_KILLED_WITH_LORA else 0)) for name in SCRIPTS for rank in (4, 0)]
-# The random tiny model trains nothing in TEMPO (its critic never writes a value) or GiGPO (no reply is a tool call:
-# every step is penalised alike); the tiny agent does, in every update. TEMPO: at 48-token turns (whole actions) its
-# critic's 4 values of a state differ; GiGPO: at 24-token turns some replies are cut short (invalid actions, penalised)
-# and others are not. At 1e-2 with full weights the agent wrote no critic value after one update: 1e-4.
-FSDP_ON_THE_TINY_AGENT = {
+# The random tiny model trains nothing where its episodes all fail alike and only outcomes tell steps apart: TEMPO (its
+# critic never writes a value), GiGPO and any outcome-only script (a fork's: tests/test_fork.py). ADCA-GRPO's judge
+# labels and PPO's value head train it; the others get the tiny agent, which trains in every update. GiGPO: at 24-token
+# turns some replies are cut short (invalid actions, penalised) and others are not; TEMPO: at 48-token turns (whole
+# actions) its critic's 4 values of a state differ; any other script: whole actions and episodes long enough to win
+# (~1 in 4), so that outcomes differ within a group. At 1e-2 with full weights the agent wrote no critic value after
+# one update: 1e-4.
+TRAINS_ON_THE_RANDOM_MODEL = ("adca_grpo", "ppo")
+ON_THE_TINY_AGENT = {
     "tempo": dict(max_turn_tokens=48, critic_samples=4, learning_rate=1e-4),
     "gigpo": dict(max_turn_tokens=24, learning_rate=1e-4),
 }
+OUTCOMES_ON_THE_TINY_AGENT = dict(max_turn_tokens=48, max_turns=6, learning_rate=1e-4)
 FSDP_VLLM = "gigpo"  # its LoRA job samples through the vLLM server (on the tiny agent, which the server serves)
 FSDP_EVAL_ONLY = "gigpo"  # its resumed run (full weights) is also evaluated with --eval-only (once: ~5-10 s each)
 
@@ -924,8 +929,8 @@ def test_fsdp_two_process_job(
         )
         if "num_updates" in straight:  # the fewest for a kill in an update after a checkpoint (TEMPO's budget: 3)
             straight["num_updates"] = kill_after(name) + 1
-        if name in FSDP_ON_THE_TINY_AGENT:
-            straight |= tiny_agent | FSDP_ON_THE_TINY_AGENT[name]
+        if name not in TRAINS_ON_THE_RANDOM_MODEL:
+            straight |= tiny_agent | ON_THE_TINY_AGENT.get(name, OUTCOMES_ON_THE_TINY_AGENT)
         if vllm:
             straight |= dict(sampler="vllm", sampler_url=vllm.url, sampler_adapter_dir=str(tmp_path / "adapters"))
         # the vLLM job runs in the repo's directory: the server names its model by a path relative to it
