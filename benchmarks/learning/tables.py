@@ -94,6 +94,13 @@ TABLES = {
         tuple(range(1, 11)),
         "grpo (lr 1e-3)",
     ),
+    "async-steps": Table(
+        "docs/benchmarks.md",
+        ("learning-async/full",),
+        (("grpo_vllm", "grpo_vllm (K = 0)"), ("grpo_async1", "grpo_async1 (K = 1)")),
+        (1, 2, 3, 4, 5),
+        "grpo_vllm (K = 0)",
+    ),
     "short": Table(
         "docs/does-it-learn.md",
         ("learning-crn/full",),
