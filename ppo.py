@@ -22,7 +22,7 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Sequence
+from typing import Sequence
 
 import torch
 

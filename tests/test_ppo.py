@@ -8,10 +8,10 @@ import pytest
 import torch
 from accelerate.utils import set_seed
 from safetensors.torch import load_file, save_file
+from test_training_job import SHARED
 
 import common
 import ppo
-from test_training_job import SHARED
 
 
 # =============================================================================================
