@@ -1393,7 +1393,7 @@ class GenerateSampler:
         sequences = policy.generate(
             input_ids=input_ids,
             attention_mask=attention_mask,
-            cache=cache,
+            past_key_values=cache,
             disable_compile=True,  # a static cache would compile on GPU, once per shape
             do_sample=not self.greedy,
             temperature=self.args.temperature,
@@ -1465,7 +1465,7 @@ class GenerateSampler:
             attention_mask=torch.tensor(
                 [[1] * len(p) + [0] * (width - len(p)) for p in prompts], device=self.accelerator.device
             ),
-            cache=cache,
+            past_key_values=cache,
             use_cache=True,
             logits_to_keep=1,  # the cache is all that is wanted: no [rows, tokens, vocab] logits
         )
