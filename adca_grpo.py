@@ -35,6 +35,8 @@ from typing import Callable, Literal, Sequence
 import openai
 
 import common
+import harness
+import training
 
 # fork 1: the algorithm's name (a checkpoint carries it; another algorithm's is refused), its constants, the docstring
 ALGORITHM = "adca_grpo"
@@ -42,9 +44,9 @@ ORM_DISTRIBUTIONS = ("last_step", "all_steps", "only_prm")
 PERMANENT_HTTP_ERRORS = (400, 401, 403, 404, 422)  # a labeller request that got one of these is not retried
 
 
-# fork 2: the algorithm's flags in Args (common.SharedArgs / PPOArgs hold the shared ones) and validate_args
+# fork 2: the algorithm's flags in Args (harness.SharedArgs / PPOArgs hold the shared ones) and validate_args
 @dataclass
-class Args(common.PPOArgs):
+class Args(harness.PPOArgs):
     exp_name: str = ALGORITHM
     """run name prefix: runs/{exp_name}__{seed}__{time}"""
     # ---- GRPO ----
@@ -115,14 +117,14 @@ class Args(common.PPOArgs):
 
 
 def validate_args(args: Args) -> None:
-    common.validate_ppo_args(args)  # the shared flags, PPOArgs' and every Literal flag's choices
-    common.check_bounds(args, ">= 1", "labeler_concurrency", "labeler_max_attempts", "labeler_max_new_tokens")
-    common.check_bounds(args, ">= 1", "labeler_circuit_failures", "labeler_max_step_chars")
-    common.check_bounds(args, "> 0", "fix_base", "labeler_timeout_s", "labeler_deadline_s")
-    common.check_bounds(args, ">= 0", "kl_beta", "alpha", "prm_steps", "labeler_error_backoff_s")
-    common.check_bounds(args, ">= 0", "labeler_error_backoff_cap_s", "labeler_rate_limit_backoff_s")
-    common.check_bounds(args, ">= 0", "labeler_rate_limit_backoff_cap_s")
-    common.check(
+    harness.validate_ppo_args(args)  # the shared flags, PPOArgs' and every Literal flag's choices
+    harness.check_bounds(args, ">= 1", "labeler_concurrency", "labeler_max_attempts", "labeler_max_new_tokens")
+    harness.check_bounds(args, ">= 1", "labeler_circuit_failures", "labeler_max_step_chars")
+    harness.check_bounds(args, "> 0", "fix_base", "labeler_timeout_s", "labeler_deadline_s")
+    harness.check_bounds(args, ">= 0", "kl_beta", "alpha", "prm_steps", "labeler_error_backoff_s")
+    harness.check_bounds(args, ">= 0", "labeler_error_backoff_cap_s", "labeler_rate_limit_backoff_s")
+    harness.check_bounds(args, ">= 0", "labeler_rate_limit_backoff_cap_s")
+    harness.require_all(
         (
             args.group_size >= 2,
             f"--group-size must be >= 2 (GRPO compares within a group), got {args.group_size}",
@@ -237,7 +239,7 @@ def decouple_step_rewards(
     """AgentEvolver's `decouple` scheme: PRM labels and ORM outcomes are z-scored separately within
     each group, then fused per step: alpha * z_prm + the outcome advantage (on the last step, on every
     step, or nowhere with only_prm), optionally scaled by 1/sqrt(steps). A trajectory without steps gets []."""
-    common.check(
+    harness.require_all(
         (
             len(orm_scores) == len(step_flags) == len(group_ids),
             f"orm_scores, step_flags and group_ids differ in length: {len(orm_scores)}, {len(step_flags)}, "
@@ -670,10 +672,10 @@ def label_trajectories(
     judged = [(orm_scores[i] > 0, labels) for i, labels in zip(asked, parsed) if labels is not None]
     failures, latencies = sum(reply.text is None for reply in replies), sorted(reply.latency_s for reply in replies)
     metrics = {
-        "prm/label_requests": common.Count(len(requests)),
-        "prm/label_failures": common.Count(failures),
-        "prm/parse_failures": common.Count(sum(labels is None for labels in parsed) - failures),
-        "prm/skipped": common.Count(sum(bool(traj.steps) for traj in trajectories) - len(requests)),
+        "prm/label_requests": training.SummedMetric(len(requests)),
+        "prm/label_failures": training.SummedMetric(failures),
+        "prm/parse_failures": training.SummedMetric(sum(labels is None for labels in parsed) - failures),
+        "prm/skipped": training.SummedMetric(sum(bool(traj.steps) for traj in trajectories) - len(requests)),
         "prm/good_rate": _mean([flag for _, labels in judged for flag in labels]),
         "prm/pos_traj_good_rate": _mean([flag for won, labels in judged if won for flag in labels]),
         "prm/neg_traj_bad_rate": _mean([not flag for won, labels in judged if not won for flag in labels]),
@@ -705,10 +707,10 @@ def oracle_labeler(
         for traj, orm, ask in zip(trajectories, orm_scores, asked)
     ]
     metrics = {
-        "prm/label_requests": common.Count(sum(asked)),
-        "prm/label_failures": common.Count(0),
-        "prm/parse_failures": common.Count(0),
-        "prm/skipped": common.Count(sum(bool(traj.steps) for traj in trajectories) - sum(asked)),
+        "prm/label_requests": training.SummedMetric(sum(asked)),
+        "prm/label_failures": training.SummedMetric(0),
+        "prm/parse_failures": training.SummedMetric(0),
+        "prm/skipped": training.SummedMetric(sum(bool(traj.steps) for traj in trajectories) - sum(asked)),
         "prm/good_rate": _mean([flag for labels, ask in zip(flags, asked) if ask for flag in labels]),
     }
     return flags, metrics
@@ -745,18 +747,18 @@ def labeler_backend(args: Args) -> str:
     return "api" if args.labeler_base_url else "self"
 
 
-# fork 4: Runtime: what the updates need besides common.Runtime's games, model, optimizer, protocol and samplers
-# (what a checkpoint keeps of it goes into state_dict / load_state_dict); the training call: common.ppo_update, or
+# fork 4: Runtime: what the updates need besides harness.Runtime's games, model, optimizer, protocol and samplers
+# (what a checkpoint keeps of it goes into state_dict / load_state_dict); the training call: training.ppo_update, or
 # the algorithm's own policy_loss and ppo_update
-class Runtime(common.Runtime):
+class Runtime(harness.Runtime):
     def __init__(self, args: Args, accelerator):
         """The labeller first (an api one checks its key and its endpoint before the model loads, and gets this
-        process's share of --labeler-concurrency), then common.Runtime's parts and the label log."""
+        process's share of --labeler-concurrency), then harness.Runtime's parts and the label log."""
         rank, processes = accelerator.process_index, accelerator.num_processes
         backend = labeler_backend(args) if needs_labels(args) else None
         self.labeler: Callable[[Sequence[LabelRequest]], list[LabelReply]] | None = None  # None: plain GRPO
         if backend == "api":
-            common.check(
+            harness.require_all(
                 (
                     args.labeler_concurrency >= processes,
                     f"--labeler-concurrency ({args.labeler_concurrency}) must be >= the number of processes "
@@ -768,7 +770,7 @@ class Runtime(common.Runtime):
             self.labeler.check_endpoint()
         self.label_log = None
         if args.labeler_log_dir:
-            log_dir = common.require_writable_dir(args.labeler_log_dir, "--labeler-log-dir")
+            log_dir = harness.require_writable_dir(args.labeler_log_dir, "--labeler-log-dir")
             self.label_log = log_dir / f"labels_rank{rank}.jsonl"
         super().__init__(args, accelerator)
         if backend in ("self", "oracle"):
@@ -777,11 +779,11 @@ class Runtime(common.Runtime):
             )
 
 
-def add_reference_logprobs(rt: Runtime, datums: list[common.Datum]) -> dict:
+def add_reference_logprobs(rt: Runtime, datums: list[training.Datum]) -> dict:
     """The base model's logprobs on the datums: kept for the loss's KL term (--kl-loss-coef), and the KL as per-token
     shaping of the advantage (--kl-beta: E[grad log p * (log p - log p_ref)] is its gradient). Returns train/kl."""
     args = rt.args
-    reference = common.trained_logprobs(rt, datums, reference=True)
+    reference = training.trained_logprobs(rt, datums, reference=True)
     log_ratios = []
     for datum, ref in zip(datums, reference):
         datum.ref_logprobs = ref if args.kl_loss_coef > 0 else None
@@ -792,7 +794,7 @@ def add_reference_logprobs(rt: Runtime, datums: list[common.Datum]) -> dict:
     return {"train/kl": _mean(log_ratios)}
 
 
-# fork 5: the updates -> (metrics, samples) and their helpers; a metric that counts something is a common.Count
+# fork 5: the updates -> (metrics, samples) and their helpers; a metric that counts something is a training.SummedMetric
 # =============================================================================================
 # One ADCA-GRPO update
 # =============================================================================================
@@ -821,16 +823,16 @@ def adca_update(rt: Runtime, update: int) -> tuple[dict, list[dict]]:
     advantages_per_step = step_advantages(orm_scores, step_flags, group_ids, trained_decouple(args, update))
 
     # ---- step 6: broadcast each step's advantage to the tokens generated at that step
-    datums = common.trajectory_datums(trajectories, advantages_per_step)
-    metrics |= common.refresh_old_logprobs(rt, datums, always=args.ppo_epochs * args.mini_batches > 1)
+    datums = training.trajectory_datums(trajectories, advantages_per_step)
+    metrics |= training.refresh_old_logprobs(rt, datums, always=args.ppo_epochs * args.mini_batches > 1)
     if (args.kl_beta > 0 or args.kl_loss_coef > 0) and datums:
         metrics |= add_reference_logprobs(rt, datums)
 
     # ---- step 7: PPO-clip, --ppo-epochs passes of --mini-batches optimizer steps each
-    metrics |= common.ppo_update(rt, datums)
+    metrics |= training.ppo_update(rt, datums)
     t_update = time.time()
 
-    metrics |= common.rollout_metrics(trajectories) | common.group_metrics(groups)
+    metrics |= training.rollout_metrics(trajectories) | training.group_metrics(groups)
     metrics["train/step_advantage_abs_mean"] = _mean([abs(a) for row in advantages_per_step for a in row])
     metrics |= {"time/rollout": t_rollout - t0, "time/label": t_label - t_rollout, "time/update": t_update - t_label}
     return metrics, update_samples(trajectories[:2], outcome_advantages, step_flags, advantages_per_step)
@@ -901,7 +903,7 @@ PRESETS = {  # name -> (what it is, its values); `python adca_grpo.py NAME --fla
     "learning": (
         "the CPU learning benchmark's recipe: tiny agent, its 4 games, 12 updates of 4 x 4, oracle labels (~2-3 min)",
         Args(
-            **common.LEARNING_SETTINGS["learning"],
+            **harness.LEARNING_SETTINGS["learning"],
             num_updates=12,
             groups_per_update=4,
             group_size=4,
@@ -913,7 +915,7 @@ PRESETS = {  # name -> (what it is, its values); `python adca_grpo.py NAME --fla
     "learning-long": (
         "the long-horizon CPU benchmark's recipe: tiny-agent-long, pick two / clean / cool games, T 20, oracle labels",
         Args(
-            **common.LEARNING_SETTINGS["learning-long"],
+            **harness.LEARNING_SETTINGS["learning-long"],
             num_updates=12,
             groups_per_update=4,
             group_size=4,
@@ -956,25 +958,25 @@ PRESETS = {  # name -> (what it is, its values); `python adca_grpo.py NAME --fla
 
 def main(args: Args) -> Path:
     """Train (or evaluate, with --eval-only); returns the run directory."""
-    with common.training_job(args, ALGORITHM, validate_args, RESUME_MAY_CHANGE) as job:
+    with harness.training_job(args, ALGORITHM, validate_args, RESUME_MAY_CHANGE) as job:
         args = job.args  # as the run uses them (the data root resolved)
-        with common.startup_errors():  # labeller and sampler endpoint checks
+        with harness.startup_errors():  # labeller and sampler endpoint checks
             rt = Runtime(args, job.accelerator)
         if args.eval_only:
-            return common.evaluate_checkpoint(job, rt, args.max_turns)
-        run = common.Run(job, rt, args.num_updates, POSTFIX_KEYS)  # resumes a checkpoint
+            return harness.evaluate_checkpoint(job, rt, args.max_turns)
+        run = harness.Run(job, rt, args.num_updates, POSTFIX_KEYS)  # resumes a checkpoint
         if run.done and rt.label_log is not None:
-            common.drop_rows_after(rt.label_log, run.done)  # a resumed update labels again
+            harness.drop_rows_after(rt.label_log, run.done)  # a resumed update labels again
         labeler = labeler_backend(args) if rt.labeler is not None else "none"
         for update in run.updates():
             metrics, samples = adca_update(rt, update)
             metrics = run.gather(metrics)
             if run.evaluates(update):
-                metrics |= common.evaluate(rt, args.max_turns)
+                metrics |= harness.evaluate(rt, args.max_turns)
             run.log(update, {"labeler": labeler, **metrics}, samples)
             run.checkpoint(update, {"labeler": labeler})
         return run.close()
 
 
 if __name__ == "__main__":
-    common.cli(Args, main, PRESETS)
+    harness.cli(Args, main, PRESETS)

@@ -25,15 +25,17 @@ from pathlib import Path
 from typing import Hashable, Literal, Sequence
 
 import common
+import harness
+import training
 
 # fork 1: the algorithm's name (a checkpoint carries it; another algorithm's is refused), its constants, the docstring
 ALGORITHM = "gigpo"
 EPS = 1e-6  # verl-agent's epsilon under both normalisations' std
 
 
-# fork 2: the algorithm's flags in Args (common.SharedArgs / PPOArgs hold the shared ones) and validate_args
+# fork 2: the algorithm's flags in Args (harness.SharedArgs / PPOArgs hold the shared ones) and validate_args
 @dataclass
-class Args(common.PPOArgs):
+class Args(harness.PPOArgs):
     exp_name: str = ALGORITHM
     """run name prefix: runs/{exp_name}__{seed}__{time}"""
     # ---- GiGPO (defaults: verl-agent's ALFWorld run; its invalid-action penalty and KL loss are off) ----
@@ -52,9 +54,9 @@ class Args(common.PPOArgs):
 
 
 def validate_args(args: Args) -> None:
-    common.validate_ppo_args(args)  # the shared flags, PPOArgs' and every Literal flag's choices
-    common.check_bounds(args, ">= 0", "step_advantage_w", "invalid_action_penalty")
-    common.check(
+    harness.validate_ppo_args(args)  # the shared flags, PPOArgs' and every Literal flag's choices
+    harness.check_bounds(args, ">= 0", "step_advantage_w", "invalid_action_penalty")
+    harness.require_all(
         (args.group_size >= 2, f"--group-size must be >= 2 (GiGPO compares within a group), got {args.group_size}"),
         (0 <= args.gamma <= 1, f"--gamma must lie in [0, 1], got {args.gamma}"),
     )
@@ -118,7 +120,7 @@ def gigpo_advantages(
     anchor); a row alone in its step group gets 0. step_penalties (verl-agent's invalid-action penalty) are taken off
     after discounting, as verl-agent takes them off its step returns; None = no penalties."""
     penalties = step_penalties if step_penalties is not None else [[0.0] * len(r) for r in step_rewards]
-    common.check(
+    harness.require_all(
         (
             len(episode_scores) == len(episode_groups) == len(step_rewards) == len(anchors) == len(penalties),
             f"episode_scores, episode_groups, step_rewards, anchors and step_penalties differ in length: "
@@ -164,7 +166,7 @@ def step_group_metrics(groups: dict, anchor: str) -> dict:
     anchors the share of step groups whose steps were taken from more than one exact engine state (aliasing)."""
     sizes = [len(steps) for steps in groups.values()]
     metrics = {
-        "gigpo/step_groups": common.Count(len(sizes)),
+        "gigpo/step_groups": training.SummedMetric(len(sizes)),
         "gigpo/step_group_size_mean": math.fsum(sizes) / max(1, len(sizes)),
         "gigpo/singleton_step_share": sum(size == 1 for size in sizes) / max(1, sum(sizes)),
     }
@@ -174,15 +176,15 @@ def step_group_metrics(groups: dict, anchor: str) -> dict:
     return metrics
 
 
-# fork 4: Runtime: what the updates need besides common.Runtime's games, model, optimizer, protocol and samplers
-# (what a checkpoint keeps of it goes into state_dict / load_state_dict); the training call: common.ppo_update, or
+# fork 4: Runtime: what the updates need besides harness.Runtime's games, model, optimizer, protocol and samplers
+# (what a checkpoint keeps of it goes into state_dict / load_state_dict); the training call: training.ppo_update, or
 # the algorithm's own policy_loss and ppo_update
-class Runtime(common.Runtime):
+class Runtime(harness.Runtime):
     """GiGPO needs nothing else: the shared games, model, optimizer, protocol and samplers (and the game cursor that
-    common.Runtime's state_dict keeps)."""
+    harness.Runtime's state_dict keeps)."""
 
 
-# fork 5: the updates -> (metrics, samples) and their helpers; a metric that counts something is a common.Count
+# fork 5: the updates -> (metrics, samples) and their helpers; a metric that counts something is a training.SummedMetric
 # =============================================================================================
 # One GiGPO update
 # =============================================================================================
@@ -216,16 +218,16 @@ def gigpo_update(rt: Runtime) -> tuple[dict, list[dict]]:
     )
 
     # ---- step 5: broadcast each step's advantage to the tokens generated at that step
-    datums = common.trajectory_datums(trajectories, advantages)
-    metrics = common.refresh_old_logprobs(rt, datums, always=args.ppo_epochs * args.mini_batches > 1)
+    datums = training.trajectory_datums(trajectories, advantages)
+    metrics = training.refresh_old_logprobs(rt, datums, always=args.ppo_epochs * args.mini_batches > 1)
     if args.kl_loss_coef > 0 and datums:
-        common.add_reference_logprobs(rt, datums)
+        training.add_reference_logprobs(rt, datums)
 
     # ---- step 6: PPO-clip, --ppo-epochs passes of --mini-batches optimizer steps each
-    metrics |= common.ppo_update(rt, datums)
+    metrics |= training.ppo_update(rt, datums)
     t_update = time.time()
 
-    metrics |= common.rollout_metrics(trajectories) | common.group_metrics(groups)
+    metrics |= training.rollout_metrics(trajectories) | training.group_metrics(groups)
     metrics |= step_group_metrics(groups_by_anchor, args.anchor)
     flat = [abs(a) for row in advantages for a in row]
     metrics["gigpo/advantage_abs_mean"] = math.fsum(flat) / max(1, len(flat))
@@ -274,7 +276,7 @@ PRESETS = {  # name -> (what it is, its values); `python gigpo.py NAME --flags`
     "learning": (
         "the CPU learning benchmark's recipe: tiny agent, its 4 games, 12 updates of 4 x 4, state anchors (~2-3 min)",
         Args(
-            **common.LEARNING_SETTINGS["learning"],
+            **harness.LEARNING_SETTINGS["learning"],
             num_updates=12,
             groups_per_update=4,
             group_size=4,
@@ -284,7 +286,7 @@ PRESETS = {  # name -> (what it is, its values); `python gigpo.py NAME --flags`
     "learning-long": (
         "the long-horizon CPU benchmark's recipe: tiny-agent-long, pick two / clean / cool games, T 20, state anchors",
         Args(
-            **common.LEARNING_SETTINGS["learning-long"],
+            **harness.LEARNING_SETTINGS["learning-long"],
             num_updates=12,
             groups_per_update=4,
             group_size=4,
@@ -317,22 +319,22 @@ PRESETS = {  # name -> (what it is, its values); `python gigpo.py NAME --flags`
 
 def main(args: Args) -> Path:
     """Train (or evaluate, with --eval-only); returns the run directory."""
-    with common.training_job(args, ALGORITHM, validate_args, RESUME_MAY_CHANGE) as job:
+    with harness.training_job(args, ALGORITHM, validate_args, RESUME_MAY_CHANGE) as job:
         args = job.args  # as the run uses them (the data root resolved)
-        with common.startup_errors():  # sampler endpoint checks
+        with harness.startup_errors():  # sampler endpoint checks
             rt = Runtime(args, job.accelerator)
         if args.eval_only:
-            return common.evaluate_checkpoint(job, rt, args.max_turns)
-        run = common.Run(job, rt, args.num_updates, POSTFIX_KEYS)  # resumes a checkpoint
+            return harness.evaluate_checkpoint(job, rt, args.max_turns)
+        run = harness.Run(job, rt, args.num_updates, POSTFIX_KEYS)  # resumes a checkpoint
         for update in run.updates():
             metrics, samples = gigpo_update(rt)
             metrics = run.gather(metrics)
             if run.evaluates(update):
-                metrics |= common.evaluate(rt, args.max_turns)
+                metrics |= harness.evaluate(rt, args.max_turns)
             run.log(update, {"anchor": args.anchor, **metrics}, samples)
             run.checkpoint(update, {"anchor": args.anchor})
         return run.close()
 
 
 if __name__ == "__main__":
-    common.cli(Args, main, PRESETS)
+    harness.cli(Args, main, PRESETS)

@@ -27,15 +27,17 @@ from typing import Sequence
 import torch
 
 import common
+import harness
+import training
 
 # fork 1: the algorithm's name (a checkpoint carries it; another algorithm's is refused), its constants, the docstring
 ALGORITHM = "ppo"
 EPS = 1e-8  # veRL's epsilon under the whitening's variance
 
 
-# fork 2: the algorithm's flags in Args (common.SharedArgs / PPOArgs hold the shared ones) and validate_args
+# fork 2: the algorithm's flags in Args (harness.SharedArgs / PPOArgs hold the shared ones) and validate_args
 @dataclass
-class Args(common.PPOArgs):
+class Args(harness.PPOArgs):
     exp_name: str = ALGORITHM
     """run name prefix: runs/{exp_name}__{seed}__{time}"""
     # ---- PPO (defaults: verl-agent's ALFWorld PPO run where they apply; docs/ppo.md says which) ----
@@ -61,11 +63,11 @@ class Args(common.PPOArgs):
 
 
 def validate_args(args: Args) -> None:
-    common.validate_ppo_args(args)  # the shared flags, PPOArgs' and every Literal flag's choices
-    common.check_bounds(args, ">= 1", "group_size")
-    common.check_bounds(args, "> 0", "vf_clip")
-    common.check_bounds(args, ">= 0", "vf_coef", "value_warmup_updates", "invalid_action_penalty")
-    common.check(
+    harness.validate_ppo_args(args)  # the shared flags, PPOArgs' and every Literal flag's choices
+    harness.check_bounds(args, ">= 1", "group_size")
+    harness.check_bounds(args, "> 0", "vf_clip")
+    harness.check_bounds(args, ">= 0", "vf_coef", "value_warmup_updates", "invalid_action_penalty")
+    harness.require_all(
         (0 <= args.gamma <= 1, f"--gamma must lie in [0, 1], got {args.gamma}"),
         (0 <= args.lam <= 1, f"--lam must lie in [0, 1], got {args.lam}"),
         (
@@ -85,7 +87,7 @@ def gae_advantages(
     """(advantages, returns) of one trajectory's turns: values[t] = V(s_t), the state before turn t; last_value = V of
     the state after the last turn (0 when the episode ended). delta_t = r_t + gamma V(s_{t+1}) - V(s_t),
     A_t = delta_t + gamma lam A_{t+1}, returns = A + V. lam 1: the Monte-Carlo return less V; lam 0: one-step TD."""
-    common.check((len(rewards) == len(values), f"{len(rewards)} rewards but {len(values)} values"))
+    harness.require_all((len(rewards) == len(values), f"{len(rewards)} rewards but {len(values)} values"))
     advantages, running = [0.0] * len(rewards), 0.0
     for t in reversed(range(len(rewards))):
         next_value = values[t + 1] if t + 1 < len(values) else last_value
@@ -105,13 +107,13 @@ def value_positions(traj: common.Trajectory) -> list[int]:
     return [step.prompt_length - 1 for step in traj.steps]
 
 
-def value_datums(trajectories, advantages, values, returns) -> list[common.Datum]:
+def value_datums(trajectories, advantages, values, returns) -> list[training.Datum]:
     """trajectory_datums (each turn's advantage on its generated tokens), each with three extra fields at the turns'
     value positions (0 elsewhere): value_weight (the turn's generated tokens), old_value (V(s_t) at the rollout) and
     value_return (the target)."""
     datums = []
     for datum, traj, turn_values, turn_returns in zip(
-        common.trajectory_datums(trajectories, advantages), trajectories, values, returns
+        training.trajectory_datums(trajectories, advantages), trajectories, values, returns
     ):
         extra = {name: [0.0] * len(datum.tokens) for name in ("value_weight", "old_value", "value_return")}
         for position, step, value, target in zip(value_positions(traj), traj.steps, turn_values, turn_returns):
@@ -130,8 +132,8 @@ def explained_variance(values: Sequence[float], returns: Sequence[float]) -> flo
     return 1.0 - residual / total if total > 0 else float("nan")
 
 
-# fork 4: Runtime: what the updates need besides common.Runtime's games, model, optimizer, protocol and samplers
-# (what a checkpoint keeps of it goes into state_dict / load_state_dict); the training call: common.ppo_update, or
+# fork 4: Runtime: what the updates need besides harness.Runtime's games, model, optimizer, protocol and samplers
+# (what a checkpoint keeps of it goes into state_dict / load_state_dict); the training call: training.ppo_update, or
 # the algorithm's own policy_loss and ppo_update
 class ValueHead(torch.nn.Linear):
     """V(s) = w . h + b on the policy's last hidden state h, zero at the start (the return of a lost episode)."""
@@ -145,7 +147,7 @@ class ValueHead(torch.nn.Linear):
         return super().forward(hidden.float()).squeeze(-1)
 
 
-class Runtime(common.Runtime):
+class Runtime(harness.Runtime):
     """The shared games, model, optimizer, protocol and samplers, and the value head (rt.heads["value"]: the
     optimizer steps it with the policy, checkpoints keep it)."""
 
@@ -163,12 +165,12 @@ def policy_loss(
     vf_clip: float | None = 0.5,
     **clip_settings,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """train_step's loss: common.ppo_clip_loss (PPO-clip per generated token, dual clip, k3 KL; clip_settings) plus
+    """train_step's loss: training.ppo_clip_loss (PPO-clip per generated token, dual clip, k3 KL; clip_settings) plus
     vf_coef x the value loss, token mean over the update. Value: V(s_t) read by the head at each turn's last prompt
     token (value_weight > 0), 0.5 max((V - R)^2, (clip(V, old V +- vf_clip) - R)^2), weighted by the turn's generated
     tokens (value_weight): the token mean of a critic that gives every token of turn t the value V(s_t). Without a
     value head (a policy-only train_step) the PPO-clip loss alone."""
-    loss, stats = common.ppo_clip_loss(logprobs, batch, total_tokens, **clip_settings)
+    loss, stats = training.ppo_clip_loss(logprobs, batch, total_tokens, **clip_settings)
     if value_head is None:
         return loss, stats
     turns = batch["value_weight"] > 0
@@ -185,7 +187,7 @@ def policy_loss(
     return loss + vf_coef * value_loss / total_tokens, stats
 
 
-def ppo_update(rt: Runtime, datums: list[common.Datum], warmup: bool = False) -> dict:
+def ppo_update(rt: Runtime, datums: list[training.Datum], warmup: bool = False) -> dict:
     """The loss with the run's clip, dual-clip, KL and value settings over --ppo-epochs x --mini-batches steps; in a
     warm-up update no KL term and no value clip (the advantages are 0: the value loss alone trains)."""
     args = rt.args
@@ -199,7 +201,7 @@ def ppo_update(rt: Runtime, datums: list[common.Datum], warmup: bool = False) ->
         dual_clip_c=args.dual_clip_c,
         kl_loss_coef=0.0 if warmup else args.kl_loss_coef,
     )
-    metrics = common.ppo_steps(rt, datums, loss_fn, args.ppo_epochs, args.mini_batches)
+    metrics = training.ppo_steps(rt, datums, loss_fn, args.ppo_epochs, args.mini_batches)
     for name in ("loss", "clip_frac"):  # the loss's value terms, per trained token as train_step reports them
         metrics[f"value/{name}"] = metrics.pop(f"train/value_{name}", 0.0)
     return metrics
@@ -209,7 +211,7 @@ def ppo_update(rt: Runtime, datums: list[common.Datum], warmup: bool = False) ->
 def state_values(rt: Runtime, trajectories: Sequence[common.Trajectory]) -> list[list[float]]:
     """V(s_t) of every turn of every trajectory under the current trunk and head."""
     sequences = [traj.sequence()[0] for traj in trajectories]
-    hidden = common.hidden_states_at(rt, sequences, [value_positions(traj) for traj in trajectories])
+    hidden = training.hidden_states_at(rt, sequences, [value_positions(traj) for traj in trajectories])
     return [rt.heads["value"](states).tolist() for states in hidden]
 
 
@@ -229,7 +231,7 @@ def normalized(rt: Runtime, advantages: list[list[float]], tokens: list[list[int
     return [[(a - mean) / math.sqrt(var + EPS) for a in row] for row in advantages]
 
 
-# fork 5: the updates -> (metrics, samples) and their helpers; a metric that counts something is a common.Count
+# fork 5: the updates -> (metrics, samples) and their helpers; a metric that counts something is a training.SummedMetric
 # =============================================================================================
 # One PPO update (a value warm-up update: the value loss on Monte-Carlo returns alone)
 # =============================================================================================
@@ -255,15 +257,15 @@ def gae_update(rt: Runtime, warmup: bool = False) -> tuple[dict, list[dict]]:
 
     # ---- step 4: each turn's advantage on its generated tokens; its V(s_t) and return at its value position
     datums = value_datums(trajectories, trained, values, returns)
-    metrics = common.refresh_old_logprobs(rt, datums, always=args.ppo_epochs * args.mini_batches > 1)
+    metrics = training.refresh_old_logprobs(rt, datums, always=args.ppo_epochs * args.mini_batches > 1)
     if args.kl_loss_coef > 0 and not warmup and datums:
-        common.add_reference_logprobs(rt, datums)
+        training.add_reference_logprobs(rt, datums)
 
     # ---- step 5: PPO-clip plus the clipped value loss (the warm-up: unclipped), --ppo-epochs x --mini-batches steps
     metrics |= ppo_update(rt, datums, warmup)
     t_update = time.time()
 
-    metrics |= common.rollout_metrics(trajectories) | common.group_metrics(groups)
+    metrics |= training.rollout_metrics(trajectories) | training.group_metrics(groups)
     flat_values, flat_returns = [v for row in values for v in row], [r for row in returns for r in row]
     metrics["value/mean"] = math.fsum(flat_values) / max(1, len(flat_values))
     metrics["value/return_mean"] = math.fsum(flat_returns) / max(1, len(flat_returns))
@@ -318,12 +320,12 @@ PRESETS = {  # name -> (what it is, its values); `python ppo.py NAME --flags`
     ),
     "learning": (
         "the CPU learning benchmark's recipe: tiny agent, its 4 games, 12 updates of 4 x 4 (~2-3 min)",
-        Args(**common.LEARNING_SETTINGS["learning"], num_updates=12, groups_per_update=4, group_size=4, max_turns=6),
+        Args(**harness.LEARNING_SETTINGS["learning"], num_updates=12, groups_per_update=4, group_size=4, max_turns=6),
     ),
     "learning-long": (
         "the long-horizon CPU benchmark's recipe: tiny-agent-long, pick two / clean / cool games, T 20",
         Args(
-            **common.LEARNING_SETTINGS["learning-long"],
+            **harness.LEARNING_SETTINGS["learning-long"],
             num_updates=12,
             groups_per_update=4,
             group_size=4,
@@ -355,22 +357,22 @@ PRESETS = {  # name -> (what it is, its values); `python ppo.py NAME --flags`
 
 def main(args: Args) -> Path:
     """Train (or evaluate, with --eval-only); returns the run directory."""
-    with common.training_job(args, ALGORITHM, validate_args, RESUME_MAY_CHANGE) as job:
+    with harness.training_job(args, ALGORITHM, validate_args, RESUME_MAY_CHANGE) as job:
         args = job.args  # as the run uses them (the data root resolved)
-        with common.startup_errors():  # sampler endpoint checks
+        with harness.startup_errors():  # sampler endpoint checks
             rt = Runtime(args, job.accelerator)
         if args.eval_only:
-            return common.evaluate_checkpoint(job, rt, args.max_turns)
-        run = common.Run(job, rt, args.num_updates, POSTFIX_KEYS)  # resumes a checkpoint
+            return harness.evaluate_checkpoint(job, rt, args.max_turns)
+        run = harness.Run(job, rt, args.num_updates, POSTFIX_KEYS)  # resumes a checkpoint
         for update in run.updates():
             metrics, samples = gae_update(rt, warmup=update <= args.value_warmup_updates)
             metrics = run.gather(metrics)
             if run.evaluates(update):
-                metrics |= common.evaluate(rt, args.max_turns)
+                metrics |= harness.evaluate(rt, args.max_turns)
             run.log(update, metrics, samples)
             run.checkpoint(update, {})
         return run.close()
 
 
 if __name__ == "__main__":
-    common.cli(Args, main, PRESETS)
+    harness.cli(Args, main, PRESETS)

@@ -32,6 +32,7 @@ import torch
 import tyro
 
 import common
+import samplers
 
 
 @dataclass
@@ -278,8 +279,8 @@ def main(args: Args) -> Path:
     out_dir = Path(args.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    path = common.resolve_model(args.model)
-    tokenizer = common.load_tokenizer(path, args.chat_template)
+    path = samplers.resolve_model(args.model)
+    tokenizer = samplers.load_tokenizer(path, args.chat_template)
     protocol = common.ChatProtocol(tokenizer, args.show_admissible, enable_thinking=args.enable_thinking)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     if args.lora_rank:

@@ -34,14 +34,16 @@ from typing import Literal, Sequence
 import torch
 
 import common
+import harness
+import training
 
 # fork 1: the algorithm's name (a checkpoint carries it; another algorithm's is refused), its constants, the docstring
 ALGORITHM = "tempo"
 
 
-# fork 2: the algorithm's flags in Args (common.SharedArgs / PPOArgs hold the shared ones) and validate_args
+# fork 2: the algorithm's flags in Args (harness.SharedArgs / PPOArgs hold the shared ones) and validate_args
 @dataclass
-class Args(common.SharedArgs):
+class Args(harness.SharedArgs):
     exp_name: str = ALGORITHM
     """run name prefix: runs/{exp_name}__{seed}__{time}"""
     # ---- TEMPO ----
@@ -115,17 +117,17 @@ class Args(common.SharedArgs):
 
 
 def validate_args(args: Args) -> None:
-    common.validate_model_args(args)
-    common.check_bounds(
+    harness.validate_model_args(args)
+    harness.check_bounds(
         args, ">= 1", "macro_rounds", "endpoint_samples", "groups_per_update", "warmup_groups_per_update"
     )
-    common.check_bounds(
+    harness.check_bounds(
         args, ">= 1", "prefix_is_max_weight", "max_critic_tokens", "critic_step_chars",
         "ppo_epochs", "mini_batches",
     )  # fmt: skip
-    common.check_bounds(args, ">= 0", "warmup_updates", "td_updates")
-    common.check_bounds(args, "> 0", "r_max", "clip_eps_high")
-    common.check(
+    harness.check_bounds(args, ">= 0", "warmup_updates", "td_updates")
+    harness.check_bounds(args, "> 0", "r_max", "clip_eps_high")
+    harness.require_all(
         (
             0 <= args.fresh_state_share <= 1,
             f"--fresh-state-share must be in [0, 1], got {args.fresh_state_share}",
@@ -322,10 +324,10 @@ class StateStore:
         return taken
 
 
-def critic_datum(prompt: list[int], reply: common.Completion, advantage: float) -> common.Datum:
+def critic_datum(prompt: list[int], reply: common.Completion, advantage: float) -> training.Datum:
     """Critic prompt as context, the whole reply trained."""
     context, n = [0.0] * len(prompt), len(reply.tokens)
-    return common.Datum(prompt + reply.tokens, context + reply.logprobs, context + [advantage] * n, context + [1.0] * n)
+    return training.Datum(prompt + reply.tokens, context + reply.logprobs, context + [advantage] * n, context + [1.0] * n)
 
 
 def score_critic(prompts, replies, targets: Sequence[float], r_max: float, squared=False):
@@ -347,10 +349,10 @@ def score_critic(prompts, replies, targets: Sequence[float], r_max: float, squar
 # =============================================================================================
 # Run state shared by the two phases
 # =============================================================================================
-# fork 4: Runtime: what the updates need besides common.Runtime's games, model, optimizer, protocol and samplers
-# (what a checkpoint keeps of it goes into state_dict / load_state_dict); the training call: common.ppo_update, or
+# fork 4: Runtime: what the updates need besides harness.Runtime's games, model, optimizer, protocol and samplers
+# (what a checkpoint keeps of it goes into state_dict / load_state_dict); the training call: training.ppo_update, or
 # the algorithm's own policy_loss and ppo_update
-class Runtime(common.Runtime):
+class Runtime(harness.Runtime):
     def __init__(self, args: Args, accelerator):
         super().__init__(args, accelerator)
         self.store = StateStore(
@@ -404,14 +406,14 @@ def policy_loss(
     return (per_token * mask).sum() / total_tokens, {"clip_frac": (is_clipped * mask).sum().item()}
 
 
-def ppo_update(rt: Runtime, datums: list[common.Datum]) -> dict:
+def ppo_update(rt: Runtime, datums: list[training.Datum]) -> dict:
     """The loss with the run's clip settings, over --ppo-epochs x --mini-batches steps."""
     args = rt.args
     loss_fn = functools.partial(policy_loss, clip_eps=args.clip_eps, clip_eps_high=args.clip_eps_high)
-    return common.ppo_steps(rt, datums, loss_fn, args.ppo_epochs, args.mini_batches)
+    return training.ppo_steps(rt, datums, loss_fn, args.ppo_epochs, args.mini_batches)
 
 
-# fork 5: the updates -> (metrics, samples) and their helpers; a metric that counts something is a common.Count
+# fork 5: the updates -> (metrics, samples) and their helpers; a metric that counts something is a training.SummedMetric
 def sample_critic(rt: Runtime, requests: Sequence[tuple[list[int] | None, int]]) -> list[list[common.Completion]]:
     """n critic replies to each (prompt, n) in one sampler call; none to a prompt over budget (None, never sent)."""
     batch = [prompt for prompt, n in requests if prompt is not None for _ in range(n)]
@@ -488,12 +490,12 @@ def warmup_update(rt: Runtime) -> tuple[dict, list[dict]]:
     t_critic = time.time()
 
     # ---- Phase 1, step 4: update the critic only
-    metrics = common.refresh_old_logprobs(rt, datums, always=args.ppo_epochs * args.mini_batches > 1)
-    metrics |= ppo_update(rt, datums) | common.rollout_metrics(trajectories)
+    metrics = training.refresh_old_logprobs(rt, datums, always=args.ppo_epochs * args.mini_batches > 1)
+    metrics |= ppo_update(rt, datums) | training.rollout_metrics(trajectories)
     metrics |= critic_metrics(values, targets, "critic/value_corr") | {
         "warmup/success_rate": sum(t.won for t in trajectories) / max(1, len(trajectories)),
-        "warmup/boundary_states": common.Count(len(states) + too_long),
-        "critic/generated_tokens": common.Count(sum(len(r.tokens) for group in replies for r in group)),
+        "warmup/boundary_states": training.SummedMetric(len(states) + too_long),
+        "critic/generated_tokens": training.SummedMetric(sum(len(r.tokens) for group in replies for r in group)),
         "critic/prompt_too_long_rate": too_long / max(1, len(states) + too_long),
         "time/rollout": t_rollout - t0,
         "time/critic": t_critic - t_rollout,
@@ -517,7 +519,7 @@ def prefix_weights(rt: Runtime, starts: Sequence[common.SavedState]) -> list[flo
     with_prefix = [i for i, s in enumerate(starts) if any(k >= 0 for k in s.prefix_step_ids)]
     rows, pad_id = [starts[i].prefix_tokens for i in with_prefix], rt.tokenizer.pad_token_id
     generated = [[k >= 0 for k in starts[i].prefix_step_ids] for i in with_prefix]
-    current = common.sequence_logprobs(
+    current = training.sequence_logprobs(
         rt.model, rt.accelerator, rows, args.temperature, pad_id, args.micro_batch_tokens, needed=generated
     )
     weights: list[float | None] = [None] * len(starts)
@@ -562,11 +564,11 @@ def td_update(rt: Runtime) -> tuple[dict, list[dict]]:
     for group, (_, _, advantages), weight in zip(live_groups, signals, weights):
         if not is_degenerate(advantages):
             scale = 1.0 if weight is None else weight
-            datums += common.trajectory_datums(group, [[a * scale] * len(t.steps) for t, a in zip(group, advantages)])
+            datums += training.trajectory_datums(group, [[a * scale] * len(t.steps) for t, a in zip(group, advantages)])
     t_critic = time.time()
     actor_tokens = sum(sum(d.mask) for d in datums)
     datums += critic_datums
-    metrics = common.refresh_old_logprobs(rt, datums, always=args.ppo_epochs * args.mini_batches > 1)
+    metrics = training.refresh_old_logprobs(rt, datums, always=args.ppo_epochs * args.mini_batches > 1)
     metrics |= ppo_update(rt, datums)
     t_update = time.time()
 
@@ -577,13 +579,13 @@ def td_update(rt: Runtime) -> tuple[dict, list[dict]]:
     metrics |= td_metrics(live_groups, critic, signals, weights, start_values)
     metrics |= store_metrics(rt.store, args.max_turns // args.macro_rounds, args.macro_rounds)
     metrics |= {
-        "actor/trained_tokens": common.Count(actor_tokens),
-        "td/fresh_states": common.Count(fresh),
-        "td/new_endpoints": common.Count(stored),
-        "td/endpoints_left_out": common.Count(len(critic.endpoints) - stored),
-        "td/starts_kept": common.Count(starts_kept),
-        "td/oracle_generated_tokens": common.Count(critic.oracle_tokens),
-        "td/restore_failures": common.Count(len(starts) - len(live_starts)),
+        "actor/trained_tokens": training.SummedMetric(actor_tokens),
+        "td/fresh_states": training.SummedMetric(fresh),
+        "td/new_endpoints": training.SummedMetric(stored),
+        "td/endpoints_left_out": training.SummedMetric(len(critic.endpoints) - stored),
+        "td/starts_kept": training.SummedMetric(starts_kept),
+        "td/oracle_generated_tokens": training.SummedMetric(critic.oracle_tokens),
+        "td/restore_failures": training.SummedMetric(len(starts) - len(live_starts)),
         "td/macro_index_mean": statistics.fmean(s.round_index / args.macro_rounds for s in starts),
         **({"td/start_value_mean": statistics.fmean(value for _, value in taken)} if taken else {}),
         "time/rollout": t_rollout - t0,
@@ -675,21 +677,21 @@ def td_metrics(groups, critic: CriticPass, signals, weights, start_values) -> di
     for group, values in zip(groups, critic.branch_values):
         zero = [v for v, t in zip(values, group) if v is not None and t.reward == 0]
         zero_reward_gaps.append(statistics.pstdev(zero) if len(zero) >= 2 else 0.0)
-    metrics = common.rollout_metrics(trajectories)
+    metrics = training.rollout_metrics(trajectories)
     if "rollout/success_rate" in metrics:  # a segment's success, not an episode's (that is eval/train/success_rate)
         metrics["td/segment_success_rate"] = metrics.pop("rollout/success_rate")
     metrics |= critic_metrics(start_values, targets, "critic/td_target_corr")
     parsed_weights = [w for w in weights if w is not None]
     if parsed_weights:
         metrics["td/prefix_is_weight_mean"] = statistics.fmean(parsed_weights)
-        metrics["td/prefix_is_weight_max"] = common.Max(max(parsed_weights))
+        metrics["td/prefix_is_weight_max"] = training.MaxMetric(max(parsed_weights))
     endpoint_values = [v for values in critic.branch_values for v in values if v is not None]
     if endpoint_values:
         metrics["critic/endpoint_value_mean"] = statistics.fmean(endpoint_values)
     prompts = critic.endpoint_prompts + critic.start_prompts
     return metrics | {
-        "critic/endpoint_parse_failures": common.Count(critic.endpoint_failures),
-        "critic/generated_tokens": common.Count(critic.generated_tokens),
+        "critic/endpoint_parse_failures": training.SummedMetric(critic.endpoint_failures),
+        "critic/generated_tokens": training.SummedMetric(critic.generated_tokens),
         "critic/prompt_too_long_rate": sum(p is None for p in prompts) / max(1, len(prompts)),
         "actor/segment_reward_mean": statistics.fmean(t.reward for t in trajectories) if trajectories else 0.0,
         "actor/degenerate_group_rate": sum(is_degenerate(a) for _, _, a in signals) / max(1, len(groups)),
@@ -701,7 +703,7 @@ def td_metrics(groups, critic: CriticPass, signals, weights, start_values) -> di
 def store_metrics(store: StateStore, macro_steps: int, macro_rounds: int) -> dict:
     """The store after the update: its size, mean value, and the share of its states at each macro index (1 .. T/H - 1:
     an endpoint is a boundary after at least one macro step, before the last; 0 too once a kept fresh start is in)."""
-    metrics = {"td/store_size": common.Count(len(store))}
+    metrics = {"td/store_size": training.SummedMetric(len(store))}
     if store.entries:
         indices = [state.round_index // macro_rounds for state, _ in store.entries]
         metrics["td/store_value_mean"] = statistics.fmean(value for _, value in store.entries)
@@ -754,7 +756,7 @@ PRESETS = {  # name -> (what it is, its values); `python tempo.py NAME --flags`
     "learning": (
         "the CPU learning benchmark's recipe: tiny agent, its 4 games, T 6, H 3, 3 warm-up + 9 TD updates (~2-3 min)",
         Args(
-            **common.LEARNING_SETTINGS["learning"],
+            **harness.LEARNING_SETTINGS["learning"],
             macro_rounds=3,
             max_turns=6,
             group_size=4,
@@ -772,7 +774,7 @@ PRESETS = {  # name -> (what it is, its values); `python tempo.py NAME --flags`
         Args(
             # lr 3e-4, not the others' 1e-3: an update trains ~1/5 of GRPO's tokens, and at 1e-3 3 of 5 seeds fell
             # while at 3e-4 none did (docs/does-it-learn.md)
-            **{**common.LEARNING_SETTINGS["learning-long"], "learning_rate": 3e-4},
+            **{**harness.LEARNING_SETTINGS["learning-long"], "learning_rate": 3e-4},
             macro_rounds=5,
             max_turns=20,
             group_size=4,
@@ -811,23 +813,23 @@ PRESETS = {  # name -> (what it is, its values); `python tempo.py NAME --flags`
 
 def main(args: Args) -> Path:
     """Train (or evaluate, with --eval-only); returns the run directory."""
-    with common.training_job(args, ALGORITHM, validate_args, RESUME_MAY_CHANGE) as job:
+    with harness.training_job(args, ALGORITHM, validate_args, RESUME_MAY_CHANGE) as job:
         args = job.args  # as the run uses them (the data root resolved)
-        with common.startup_errors():  # endpoint checks
+        with harness.startup_errors():  # endpoint checks
             rt = Runtime(args, job.accelerator)
         if args.eval_only:
-            return common.evaluate_checkpoint(job, rt, args.max_turns)
-        run = common.Run(job, rt, args.warmup_updates + args.td_updates, POSTFIX_KEYS)  # resumes a checkpoint
+            return harness.evaluate_checkpoint(job, rt, args.max_turns)
+        run = harness.Run(job, rt, args.warmup_updates + args.td_updates, POSTFIX_KEYS)  # resumes a checkpoint
         for update in run.updates():
             phase = "warmup" if update <= args.warmup_updates else "td"
             metrics, samples = warmup_update(rt) if phase == "warmup" else td_update(rt)
             metrics = run.gather(metrics)
             if run.evaluates(update):
-                metrics |= common.evaluate(rt, args.max_turns)
+                metrics |= harness.evaluate(rt, args.max_turns)
             run.log(update, {"phase": phase, **metrics}, samples)
             run.checkpoint(update, {"phase": phase})
         return run.close()
 
 
 if __name__ == "__main__":
-    common.cli(Args, main, PRESETS)
+    harness.cli(Args, main, PRESETS)

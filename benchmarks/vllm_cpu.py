@@ -21,6 +21,7 @@ import httpx
 import psutil
 
 import common
+import samplers
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -165,7 +166,7 @@ def main():
     parser.add_argument("--log-file", default="vllm-cpu.log")
     args = parser.parse_args()
     log_file = Path(args.log_file).resolve()
-    server = VllmServer(common.resolve_model(args.model), log_file, port=args.port, max_model_len=args.max_model_len)
+    server = VllmServer(samplers.resolve_model(args.model), log_file, port=args.port, max_model_len=args.max_model_len)
     with server:
         print(f"serving {server.model} on {server.url} (log: {log_file}); Ctrl-C stops it", flush=True)
         with contextlib.suppress(KeyboardInterrupt):

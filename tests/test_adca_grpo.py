@@ -13,6 +13,8 @@ from chat_server import ScriptedEndpoint
 
 import adca_grpo
 import common
+import harness
+import training
 
 SECRET = "sk-adca-test-SECRET-0123456789"
 DECOUPLE = dict(
@@ -145,11 +147,11 @@ def test_only_prm_leaves_out_the_outcome():
 def test_suffix_sum_and_broadcast():
     assert adca_grpo.suffix_sum([[1.0, 2.0, 3.0], [], [-1.0]]) == [[6.0, 5.0, 3.0], [], [-1.0]]
     step_ids = torch.tensor([[-1, -1, 0, 0, -1, 1, 1, -1], [-1, 0, 0, -1, -1, -1, -1, -1], [-1] * 8])
-    out = common.broadcast_to_tokens([[2.0, 3.0], [5.0], []], step_ids)
+    out = training.broadcast_to_tokens([[2.0, 3.0], [5.0], []], step_ids)
     assert out.dtype == torch.float32 and out.shape == (3, 8)
     assert out.tolist() == [[0, 0, 2, 2, 0, 3, 3, 0], [0, 5, 5, 0, 0, 0, 0, 0], [0] * 8]
     with pytest.raises(ValueError, match="beyond"):
-        common.broadcast_to_tokens([[1.0]], torch.tensor([[0, 1]]))
+        training.broadcast_to_tokens([[1.0]], torch.tensor([[0, 1]]))
 
 
 def test_health_metrics():
@@ -480,7 +482,7 @@ def runtime(games_root, tiny_model_dir, tmp_path):
     def build(**overrides):
         args = small_args(games_root, tiny_model_dir, tmp_path, **overrides)
         set_seed(args.seed)
-        return adca_grpo.Runtime(args, common.make_accelerator())
+        return adca_grpo.Runtime(args, harness.make_accelerator())
 
     return build
 
@@ -511,19 +513,19 @@ def test_update_moves_logprob_with_the_advantage_sign(runtime, sign):
         max_trajectory_tokens=4096,
     )
     tokens, old_logprobs, step_ids = group[0].sequence()
-    advantages = common.broadcast_to_tokens([[sign] * len(group[0].steps)], torch.tensor([step_ids]))[0].tolist()
+    advantages = training.broadcast_to_tokens([[sign] * len(group[0].steps)], torch.tensor([step_ids]))[0].tolist()
     mask = [float(k >= 0) for k in step_ids]
-    datum = common.Datum(tokens, old_logprobs, advantages, mask)
+    datum = training.Datum(tokens, old_logprobs, advantages, mask)
 
     def generated_logprob():
-        (logprobs,) = common.sequence_logprobs(
+        (logprobs,) = training.sequence_logprobs(
             rt.model, rt.accelerator, [tokens], rt.args.temperature, rt.tokenizer.pad_token_id, 8192
         )
         return sum(lp for lp, m in zip(logprobs, mask) if m)
 
     before = generated_logprob()
     assert before == pytest.approx(sum(old_logprobs), abs=1e-3)  # sampling logprobs = teacher-forced ones
-    metrics = common.train_step(rt, [datum], common.ppo_clip_loss)
+    metrics = training.train_step(rt, [datum], training.ppo_clip_loss)
     assert (
         metrics["train/tokens"] == sum(mask)
         and metrics["train/clip_frac"] == 0
@@ -541,7 +543,7 @@ def loss_and_grad(logprobs, old, advantages, ref=None, **config):
     }
     if ref is not None:
         batch["ref_logprobs"] = torch.tensor([ref], dtype=torch.float64)
-    loss, stats = common.ppo_clip_loss(logprobs, batch, float(len(old)), **config)
+    loss, stats = training.ppo_clip_loss(logprobs, batch, float(len(old)), **config)
     loss.backward()
     return loss.item(), logprobs.grad[0].tolist(), stats
 
@@ -739,7 +741,7 @@ def test_smoke_api_labeler_prm_steps_then_resume(games_root, tiny_model_dir, tmp
         )
         run_dir = adca_grpo.main(args)
         # plain GRPO is another algorithm setting: not a continuation of this run
-        with pytest.raises(common.StartupError, match=r"--attribution False \(the run: True\)"):
+        with pytest.raises(harness.StartupError, match=r"--attribution False \(the run: True\)"):
             adca_grpo.main(adca_grpo.Args(**{**vars(args), "resume": "auto", "attribution": False}))
         resumed = adca_grpo.main(adca_grpo.Args(**{**vars(args), "num_updates": 3, "resume": "auto"}))
     rows = read_metrics(run_dir)

@@ -10,8 +10,8 @@ import pytest
 from algorithm_scripts import MODULES
 
 import adca_grpo
-import common
 import gigpo
+import harness
 import offline
 import tempo
 from benchmarks.learning import runs
@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def parsed(module, argv):
     """The Args the command line gives (main replaced by the identity)."""
-    return common.cli(module.Args, lambda args: args, module.PRESETS, argv=argv)
+    return harness.cli(module.Args, lambda args: args, module.PRESETS, argv=argv)
 
 
 @pytest.mark.parametrize("module", MODULES.values(), ids=MODULES)
@@ -82,7 +82,7 @@ def test_a_bad_config_file_fails_at_start_naming_it(tmp_path, capsys, text, mess
     assert exit.value.code == 2 and re.search(re.escape(f"--config {config}: {message}"), capsys.readouterr().err)
 
 
-# config.json files of runs from before the scripts took one vocabulary (common.RENAMED_FLAGS)
+# config.json files of runs from before the scripts took one vocabulary (harness.RENAMED_FLAGS)
 OLD_CONFIGS = {
     tempo: (
         dict(max_episode_steps=8, branches=3, states_per_batch=2, warmup_games_per_batch=5, ppo_clip=[0.2, 0.28]),
@@ -96,7 +96,7 @@ OLD_CONFIGS = {
 
 
 def test_a_config_with_a_removed_flag_loads_at_its_old_value_and_is_refused_at_another(tmp_path, capsys):
-    """common.REMOVED_FLAGS: a run's config.json from before a flag was removed reruns when the flag held the value
+    """harness.REMOVED_FLAGS: a run's config.json from before a flag was removed reruns when the flag held the value
     every run without it has; at another value the run needs the commit that had the flag, and the error names it."""
     config = tmp_path / "config.json"
     config.write_text(json.dumps({"seed": 4, "critic_replay": 0, "critic_coef": 1.0}))
@@ -142,9 +142,9 @@ def test_a_runs_config_json_reruns_it_exactly(games_root, tiny_model_dir, tmp_pa
         "--eval-every",
         "0",
     ]
-    first = common.cli(adca_grpo.Args, adca_grpo.main, adca_grpo.PRESETS, argv=flags)
+    first = harness.cli(adca_grpo.Args, adca_grpo.main, adca_grpo.PRESETS, argv=flags)
     config = first / "config.json"
-    again = common.cli(
+    again = harness.cli(
         adca_grpo.Args,
         adca_grpo.main,
         adca_grpo.PRESETS,

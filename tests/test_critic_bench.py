@@ -11,6 +11,7 @@ from accelerate.utils import set_seed
 import common
 import sft
 import tempo
+import training
 from benchmarks.learning import compare, critic
 
 TOOL = '<tool_call>\n{"name": "alfworld_step", "arguments": {"action": "%s"}}\n</tool_call>'
@@ -43,7 +44,7 @@ def teacher_forced(rt, prompts, texts) -> list[common.Completion]:
     """Scripted replies as Completions, their logprobs from the real model (as a sampler would report them)."""
     tokens = [rt.tokenizer.encode(t, add_special_tokens=False) + [rt.tokenizer.eos_token_id] for t in texts]
     rows = [p + t for p, t in zip(prompts, tokens)]
-    logprobs = common.sequence_logprobs(rt.model, rt.accelerator, rows, 1.0, rt.tokenizer.pad_token_id, 1 << 16)
+    logprobs = training.sequence_logprobs(rt.model, rt.accelerator, rows, 1.0, rt.tokenizer.pad_token_id, 1 << 16)
     return [common.Completion(t, lp[len(p) :], text) for p, t, lp, text in zip(prompts, tokens, logprobs, texts)]
 
 

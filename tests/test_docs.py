@@ -1,6 +1,6 @@
 """Every command in README.md and docs/*.md runs as written: each line of a ```bash block is parsed by the script's
 own command line (`python SCRIPT.py` or `python -m benchmarks.PACKAGE.MODULE` of this repository, found by what it
-is: an algorithm script (it names its ALGORITHM) by common.cli + validate_args, a tyro script by tyro with its Args,
+is: an algorithm script (it names its ALGORITHM) by harness.cli + validate_args, a tyro script by tyro with its Args,
 an argparse script by its parser), every relative link points to a file (and heading) that exists, and the README
 stays short. A command of a tool not listed here fails until someone decides how to check it."""
 
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import tyro
 
-import common
+import harness
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -195,7 +195,7 @@ def test_command_parses(page, command, tmp_path, monkeypatch):
     assert (ROOT / script).is_file(), f"{page}: `{command}`: no {script}"
     if kind(script) == "algorithm":
         module = module_of(script)
-        args = common.cli(module.Args, lambda a: a, module.PRESETS, argv=substituted(argv, tmp_path, module))
+        args = harness.cli(module.Args, lambda a: a, module.PRESETS, argv=substituted(argv, tmp_path, module))
         assert isinstance(args, module.Args)
         module.validate_args(args)
     elif kind(script) == "tyro":

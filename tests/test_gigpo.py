@@ -11,6 +11,8 @@ from accelerate.utils import set_seed
 
 import common
 import gigpo
+import harness
+import training
 
 EPS = 1e-6
 
@@ -274,9 +276,9 @@ def test_update_raises_the_winning_branch_and_lowers_the_penalised_one(games_roo
     ratios start at 1): the walkthrough (won), the walkthrough with a wrong last step, and no tool call at all
     (penalised), with the k3 KL loss on. After one gigpo_update the won branch's replies are likelier and the
     penalised ones less likely; a second update measures a KL to the base model."""
-    accelerator = common.make_accelerator()
+    accelerator = harness.make_accelerator()
     settings = dict(task_types=("look_at_obj_in_light",), groups_per_update=1, group_size=3)
-    game = common.training_games(small_args(games_root, tiny_model_dir, tmp_path, **settings), accelerator)[0]
+    game = harness.training_games(small_args(games_root, tiny_model_dir, tmp_path, **settings), accelerator)[0]
     walkthrough = common.load_walkthrough(game)
     turns = len(walkthrough)
     args = small_args(
@@ -303,7 +305,7 @@ def test_update_raises_the_winning_branch_and_lowers_the_penalised_one(games_roo
         completions = []
         for branch, (prompt, texts) in enumerate(zip(prompts, replies)):
             tokens = rt.protocol.encode(texts[turn]) + [rt.protocol.eos_token_id]
-            (logprobs,) = common.sequence_logprobs(
+            (logprobs,) = training.sequence_logprobs(
                 rt.model, rt.accelerator, [prompt + tokens], 1.0, rt.tokenizer.pad_token_id, 8192
             )
             sample.logprob[branch] += sum(logprobs[len(prompt) :])
@@ -354,7 +356,7 @@ def test_smoke_observation_anchors_then_resume(games_root, tiny_model_dir, tmp_p
     # the random tiny model never writes a tool call: every step penalised alike, so every advantage is 0
     assert all(set(s["step_penalties"]) == {0.01} and set(s["step_advantages"]) == {0.0} for s in samples)
 
-    with pytest.raises(common.StartupError, match=r"--anchor state \(the run: observation\)"):
+    with pytest.raises(harness.StartupError, match=r"--anchor state \(the run: observation\)"):
         gigpo.main(gigpo.Args(**{**vars(args), "resume": "auto", "anchor": "state"}))
     resumed = gigpo.main(gigpo.Args(**{**vars(args), "num_updates": 3, "resume": "auto"}))
     assert resumed == run_dir and [r["update"] for r in read_rows(run_dir / "metrics.jsonl")] == [0, 1, 2, 3]

@@ -7,8 +7,11 @@ import pytest
 import torch
 
 import common
+import harness
 import offline
+import samplers
 import tempo
+import training
 
 BUDGETS = dict(horizon=5, max_turns=8, max_turn_tokens=24, max_trajectory_tokens=8192)
 
@@ -30,8 +33,8 @@ def policy(tiny_model_dir, tmp_path_factory):
         sample_batch_size=3,
         output_dir=str(tmp_path_factory.mktemp("out")),
     )
-    accelerator = common.make_accelerator()
-    tokenizer, model, _ = common.load_model(args, accelerator)
+    accelerator = harness.make_accelerator()
+    tokenizer, model, _ = samplers.load_model(args, accelerator)
     perturb_adapter(model, seed=0)
     return args, accelerator, tokenizer, model
 
@@ -45,10 +48,10 @@ def perturb_adapter(model, seed: int) -> None:
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
 
 
-def make(policy, kv_cache_mb: int = 64, greedy: bool = True, **overrides) -> common.GenerateSampler:
+def make(policy, kv_cache_mb: int = 64, greedy: bool = True, **overrides) -> samplers.GenerateSampler:
     args, accelerator, tokenizer, model = policy
     settings = {**vars(args), "kv_cache_mb": kv_cache_mb, **overrides}
-    return common.make_sampler(model, tokenizer, accelerator, tempo.Args(**settings), greedy=greedy)
+    return samplers.make_sampler(model, tokenizer, accelerator, tempo.Args(**settings), greedy=greedy)
 
 
 def play(policy, sampler, starts, branches: int, **overrides):
@@ -98,7 +101,7 @@ def test_sampled_logprobs_equal_a_teacher_forced_pass(policy, games):
     assert len({tuple(traj.tokens) for traj in trajectories}) == 6  # branches diverged: rows of different lengths
     assert reuse.stats["reused"] > 0
     sequences = [traj.sequence() for traj in trajectories]
-    forced = common.sequence_logprobs(
+    forced = training.sequence_logprobs(
         model, accelerator, [tokens for tokens, _, _ in sequences], 1.0, tokenizer.pad_token_id, 16384
     )
     for (tokens, logprobs, step_ids), teacher in zip(sequences, forced):

@@ -1,6 +1,6 @@
 """How the algorithm scripts are laid out: each holds its algorithm and imports only `common`, which holds what every
 algorithm would copy unchanged; the places a fork changes are marked the same way in every script; the shared flags
-are declared once, in common.SharedArgs (and PPOArgs), which every Args extends."""
+are declared once, in harness.SharedArgs (and PPOArgs), which every Args extends."""
 
 import ast
 import dataclasses
@@ -12,6 +12,8 @@ import pytest
 from algorithm_scripts import MODULES, NAMES
 
 import common
+import harness
+import training
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = [f"{name}.py" for name in NAMES]  # found by algorithm_scripts.py
@@ -107,7 +109,7 @@ def takes_rt(node) -> bool:
 def test_every_fork_place_holds_the_same_kinds_of_things(name):
     """What the marks say, checked on what is written under them: 1 the name and constants, 2 Args and
     validate_args, 3 functions of trajectories and flags (nothing that takes the Runtime), 4 Runtime, the script's own
-    policy_loss and ppo_update if it changes common.ppo_update's (and what else takes the Runtime to train), 5 the
+    policy_loss and ppo_update if it changes training.ppo_update's (and what else takes the Runtime to train), 5 the
     updates (`*_update(rt, ...) -> (metrics, samples)`) and their helpers, 6 main and its constants."""
     sections = fork_sections(name)
     assert not [n for n in sections[1] if isinstance(n, (ast.FunctionDef, ast.ClassDef))] and "ALGORITHM" in defined(
@@ -118,7 +120,7 @@ def test_every_fork_place_holds_the_same_kinds_of_things(name):
     assert "Runtime" in defined(sections[4])
     own_step = {"policy_loss", "ppo_update"} & defined(sections[4])
     assert own_step in (set(), {"policy_loss", "ppo_update"}), "a script that changes the training call writes both"
-    assert own_step or "common.ppo_update(rt, " in (ROOT / name).read_text()
+    assert own_step or "training.ppo_update(rt, " in (ROOT / name).read_text()
     assert all(takes_rt(n) for n in sections[4] if isinstance(n, ast.FunctionDef) and n.name != "policy_loss")
     updates = [n for n in sections[5] if isinstance(n, ast.FunctionDef) and n.name.endswith("_update")]
     assert updates and all(takes_rt(n) and ast.unparse(n.returns) == "tuple[dict, list[dict]]" for n in updates)
@@ -131,7 +133,7 @@ def test_every_script_speaks_the_one_vocabulary(name):
     """The shared concepts under their one name (docs/new-algorithm.md: Vocabulary); no flag keeps a renamed one."""
     fields = {field.name for field in dataclasses.fields(MODULES[name.removesuffix(".py")].Args)}
     assert {"max_turns", "group_size", "groups_per_update", "clip_eps", "clip_eps_high", "ppo_epochs"} <= fields
-    assert not fields & set(common.RENAMED_FLAGS)
+    assert not fields & set(harness.RENAMED_FLAGS)
 
 
 def args_fields(tree: ast.Module, class_name: str) -> dict[str, tuple[str, str]]:
@@ -157,20 +159,20 @@ def flags_common_reads() -> set[str]:
 
 
 def test_every_flag_common_reads_is_declared_once_in_common():
-    shared = {field.name for field in dataclasses.fields(common.PPOArgs)}  # SharedArgs' and PPOArgs' own
+    shared = {field.name for field in dataclasses.fields(harness.PPOArgs)}  # SharedArgs' and PPOArgs' own
     assert {"model", "learning_rate", "sampler_url", "eval_only", "max_turn_tokens", "clip_eps"} <= flags_common_reads()
     assert flags_common_reads() <= shared
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_a_script_declares_only_its_algorithm_flags(name):
-    """Its Args extends common.SharedArgs (or PPOArgs); a shared flag it declares again changes only the default,
+    """Its Args extends harness.SharedArgs (or PPOArgs); a shared flag it declares again changes only the default,
     with the same type (exp_name: the script's ALGORITHM)."""
     module = MODULES[name.removesuffix(".py")]
-    assert issubclass(module.Args, common.SharedArgs)
+    assert issubclass(module.Args, harness.SharedArgs)
     common_tree = ast.parse((ROOT / "common.py").read_text())
     shared = args_fields(common_tree, "SharedArgs") | args_fields(common_tree, "PPOArgs")
-    if not issubclass(module.Args, common.PPOArgs):
+    if not issubclass(module.Args, harness.PPOArgs):
         shared = args_fields(common_tree, "SharedArgs")
     fields = args_fields(ast.parse((ROOT / name).read_text()), "Args")
     assert fields["exp_name"] == ("str", "ALGORITHM") and module.Args().exp_name == module.ALGORITHM
@@ -194,4 +196,4 @@ def test_main_holds_the_update_loop(name):
     loops = [n for n in ast.walk(main) if isinstance(n, ast.For) and ast.unparse(n.iter) == "run.updates()"]
     assert len(loops) == 1
     body = ast.unparse(loops[0])
-    assert all(call in body for call in ("run.gather(", "common.evaluate(", "run.log(", "run.checkpoint("))
+    assert all(call in body for call in ("run.gather(", "harness.evaluate(", "run.log(", "run.checkpoint("))

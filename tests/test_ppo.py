@@ -11,7 +11,9 @@ from safetensors.torch import load_file, save_file
 from test_training_job import SHARED
 
 import common
+import harness
 import ppo
+import training
 
 
 # =============================================================================================
@@ -84,7 +86,7 @@ def test_the_training_step_reads_the_values_the_rollout_read(games_root, tiny_mo
     the same positions and gets the same values; with targets V + 1 it is exactly 0.5 (0.5 x 1^2, token-weighted)."""
     args = small_args(games_root, tiny_model_dir, tmp_path, micro_batch_tokens=300, vf_clip=None, learning_rate=0.0)
     set_seed(0)
-    rt = ppo.Runtime(args, common.make_accelerator())
+    rt = ppo.Runtime(args, harness.make_accelerator())
     with torch.no_grad():  # a head that is not zero, so the values differ between positions
         rt.heads["value"].weight.normal_(0, 1.0)
     groups = rt.play([rt.next_game_start() for _ in range(2)], 2, horizon=2, max_turns=2)
@@ -96,16 +98,16 @@ def test_the_training_step_reads_the_values_the_rollout_read(games_root, tiny_mo
     loss_fn = ppo.functools.partial(ppo.policy_loss, value_head=rt.heads["value"], vf_clip=None)
     for shift, expected in ((0.0, 0.0), (1.0, 0.5)):
         targets = [[v + shift for v in row] for row in values]
-        metrics = common.train_step(rt, ppo.value_datums(trajectories, zeros, values, targets), loss_fn)
+        metrics = training.train_step(rt, ppo.value_datums(trajectories, zeros, values, targets), loss_fn)
         assert metrics["train/value_loss"] == pytest.approx(expected, abs=1e-6)  # float32 values
 
 
 def scripted_runtime(games_root, tiny_model_dir, tmp_path, **overrides):
     """One look_at game, 3 branches whose replies are scripted with the policy's own logprobs: the walkthrough (won),
     the walkthrough with a wrong last step, and no tool call at all (penalised)."""
-    accelerator = common.make_accelerator()
+    accelerator = harness.make_accelerator()
     settings = dict(task_types=("look_at_obj_in_light",), groups_per_update=1, group_size=3)
-    game = common.training_games(small_args(games_root, tiny_model_dir, tmp_path, **settings), accelerator)[0]
+    game = harness.training_games(small_args(games_root, tiny_model_dir, tmp_path, **settings), accelerator)[0]
     walkthrough = common.load_walkthrough(game)
     turns = len(walkthrough)
     args = small_args(games_root, tiny_model_dir, tmp_path, **settings, max_turns=turns, **overrides)
@@ -122,7 +124,7 @@ def scripted_runtime(games_root, tiny_model_dir, tmp_path, **overrides):
         completions = []
         for prompt, texts in zip(prompts, replies):
             tokens = rt.protocol.encode(texts[turn]) + [rt.protocol.eos_token_id]
-            (logprobs,) = common.sequence_logprobs(
+            (logprobs,) = training.sequence_logprobs(
                 rt.model, rt.accelerator, [prompt + tokens], 1.0, rt.tokenizer.pad_token_id, 8192
             )
             completions.append(common.Completion(tokens, logprobs[len(prompt) :], texts[turn]))
@@ -184,15 +186,15 @@ def test_full_weights_and_a_corrupt_or_foreign_head(games_root, tiny_model_dir, 
     checkpoint = sorted((ppo.main(args) / "checkpoints").glob("update_*"))[-1]
     assert (checkpoint / "model.safetensors").is_file() and not (checkpoint / "adapter_model.safetensors").exists()
     heads = load_file(checkpoint / "heads.safetensors")
-    common.check_checkpoint(checkpoint, args, "ppo", "--resume", 1)
+    harness.check_checkpoint(checkpoint, args, "ppo", "--resume", 1)
     heads["value.weight"] += 1
     save_file(heads, checkpoint / "heads.safetensors")
     with pytest.raises(ValueError, match="heads.safetensors does not match the sha256"):
-        common.check_checkpoint(checkpoint, args, "ppo", "--resume", 1)
+        harness.check_checkpoint(checkpoint, args, "ppo", "--resume", 1)
     save_file({"value.weight": torch.zeros(1, 3), "value.bias": torch.zeros(1)}, checkpoint / "heads.safetensors")
-    rt = ppo.Runtime(args, common.make_accelerator())
+    rt = ppo.Runtime(args, harness.make_accelerator())
     with pytest.raises(ValueError, match="heads .* are not this algorithm's"):
-        common.load_checkpoint(checkpoint, rt.model, None, rt.accelerator, rt.heads)
+        harness.load_checkpoint(checkpoint, rt.model, None, rt.accelerator, rt.heads)
 
 
 @pytest.mark.parametrize(

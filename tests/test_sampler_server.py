@@ -8,7 +8,8 @@ import time
 import pytest
 from vllm_server import TinyVllmServer
 
-import common
+import harness
+import samplers
 import tempo
 
 
@@ -18,8 +19,8 @@ def trainer(tiny_model_dir, tmp_path_factory):
     args = tempo.Args(
         model=str(tiny_model_dir), lora_rank=4, lora_alpha=8, output_dir=str(tmp_path_factory.mktemp("o"))
     )
-    accelerator = common.make_accelerator()
-    tokenizer, model, _ = common.load_model(args, accelerator)
+    accelerator = harness.make_accelerator()
+    tokenizer, model, _ = samplers.load_model(args, accelerator)
     return args, accelerator, tokenizer, model
 
 
@@ -42,7 +43,7 @@ def chat_prompts(tokenizer, n: int) -> list[list[int]]:
 def test_one_turn_is_one_bounded_burst_of_concurrent_requests(tiny_model_dir, trainer):
     args, accelerator, tokenizer, model = trainer
     with TinyVllmServer(tiny_model_dir, delay_s=0.2) as slow:
-        sampler = common.make_sampler(model, tokenizer, accelerator, server_args(args, slow.url, sampler_concurrency=3))
+        sampler = samplers.make_sampler(model, tokenizer, accelerator, server_args(args, slow.url, sampler_concurrency=3))
         start = time.monotonic()
         assert len(sampler(chat_prompts(tokenizer, 6), 4)) == 6
         assert slow.max_in_flight == 3 and time.monotonic() - start < 6 * 0.2 + 1.0
@@ -51,7 +52,7 @@ def test_one_turn_is_one_bounded_burst_of_concurrent_requests(tiny_model_dir, tr
 def test_server_errors_are_retried_with_backoff(tiny_model_dir, trainer):
     args, accelerator, tokenizer, model = trainer
     with TinyVllmServer(tiny_model_dir, fail_completions=2) as flaky:
-        sampler = common.make_sampler(
+        sampler = samplers.make_sampler(
             model, tokenizer, accelerator, server_args(args, flaky.url, sampler_concurrency=1)
         )
         assert len(sampler(chat_prompts(tokenizer, 2), 4)) == 2 and flaky.completions == 4
@@ -61,7 +62,7 @@ def test_a_slow_server_fails_the_call_at_the_deadline(tiny_model_dir, trainer):
     args, accelerator, tokenizer, model = trainer
     with TinyVllmServer(tiny_model_dir, delay_s=2.0) as slow:
         settings = dict(sampler_timeout_s=0.3, sampler_deadline_s=1.0)
-        sampler = common.make_sampler(model, tokenizer, accelerator, server_args(args, slow.url, **settings))
+        sampler = samplers.make_sampler(model, tokenizer, accelerator, server_args(args, slow.url, **settings))
         start = time.monotonic()
         with pytest.raises(RuntimeError, match="not answered within --sampler-deadline-s 1.0 s"):
             sampler(chat_prompts(tokenizer, 2), 4)
@@ -73,7 +74,7 @@ def test_a_server_without_runtime_lora_loading_is_refused_at_start(tiny_model_di
     args, accelerator, tokenizer, model = trainer
     with TinyVllmServer(tiny_model_dir, runtime_lora=False) as plain:
         with pytest.raises(ValueError, match="VLLM_ALLOW_RUNTIME_LORA_UPDATING=true"):
-            common.make_sampler(model, tokenizer, accelerator, server_args(args, plain.url))
+            samplers.make_sampler(model, tokenizer, accelerator, server_args(args, plain.url))
 
 
 @pytest.mark.parametrize(
@@ -88,4 +89,4 @@ def test_a_server_without_runtime_lora_loading_is_refused_at_start(tiny_model_di
 )
 def test_sampler_flags_are_checked_at_start(overrides, flag):
     with pytest.raises(ValueError, match=flag):
-        common.validate_model_args(tempo.Args(**overrides))
+        harness.validate_model_args(tempo.Args(**overrides))

@@ -15,6 +15,7 @@ from tokenizers import AddedToken
 import adca_grpo
 import common
 import gigpo
+import harness
 import tempo
 
 TEMPLATES = Path(__file__).parent / "templates"
@@ -163,7 +164,7 @@ def test_a_script_refuses_a_template_at_start_naming_the_flag(games_root, tmp_pa
         chat_template=str(path),
         enable_thinking=enable_thinking,
     )
-    with pytest.raises(common.StartupError, match=message):
+    with pytest.raises(harness.StartupError, match=message):
         gigpo.main(args)
 
 
@@ -206,7 +207,7 @@ def test_script_with_the_qwen3_template_builds_token_exact_prompts(
     argv = ["smoke", "--model", str(tiny_model_dir), "--data-root", str(games_root), "--output-dir", str(tmp_path)]
     argv += ["--num-updates", "1", "--eval-every", "0", "--chat-template", str(template)]
     argv += [] if enable_thinking else ["--no-enable-thinking"]
-    run_dir = common.cli(gigpo.Args, gigpo.main, gigpo.PRESETS, argv=argv)
+    run_dir = harness.cli(gigpo.Args, gigpo.main, gigpo.PRESETS, argv=argv)
 
     config = json.loads((run_dir / "config.json").read_text())
     assert config["chat_template"] == str(template) and config["enable_thinking"] is enable_thinking

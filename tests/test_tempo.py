@@ -14,7 +14,9 @@ import torch
 from accelerate.utils import set_seed
 
 import common
+import harness
 import tempo
+import training
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -52,9 +54,9 @@ def small_args(games_root, tiny_model_dir, output_dir, **overrides) -> tempo.Arg
     return tempo.Args(**settings)
 
 
-def train(rt, datums: list[common.Datum]) -> dict:
+def train(rt, datums: list[training.Datum]) -> dict:
     """One training call as tempo.py's updates make it: old logprobs refreshed where needed, then ppo_update."""
-    metrics = common.refresh_old_logprobs(rt, datums, always=rt.args.ppo_epochs * rt.args.mini_batches > 1)
+    metrics = training.refresh_old_logprobs(rt, datums, always=rt.args.ppo_epochs * rt.args.mini_batches > 1)
     return metrics | tempo.ppo_update(rt, datums)
 
 
@@ -356,7 +358,7 @@ def runtime(games_root, tiny_model_dir, tmp_path):
     def build(**overrides):
         args = small_args(games_root, tiny_model_dir, tmp_path, **overrides)
         set_seed(args.seed)
-        return tempo.Runtime(args, common.make_accelerator())
+        return tempo.Runtime(args, harness.make_accelerator())
 
     return build
 
@@ -374,7 +376,7 @@ def test_actor_loss_mask_covers_only_the_segments_generated_tokens(runtime):
     assert any(k >= 0 for k in saved.prefix_step_ids)  # the prefix holds generated tokens of turns 0-1
     second = segment(saved)
     traj = second[0]
-    (datum,) = common.trajectory_datums([traj], [[0.5] * len(traj.steps)])
+    (datum,) = training.trajectory_datums([traj], [[0.5] * len(traj.steps)])
     expected = [0.0] * len(datum.tokens)
     for step in traj.steps:
         expected[step.prompt_length : step.prompt_length + len(step.completion_tokens)] = [1.0] * len(
@@ -393,7 +395,7 @@ def test_sampling_logprobs_equal_a_teacher_forced_pass_per_token(runtime, temper
     prompts = [rt.next_game_start().prefix_tokens, rt.next_game_start().prefix_tokens[:40], [1, 2, 3]]
     replies = rt.sample_fn(prompts, 24)
     sequences = [p + r.tokens for p, r in zip(prompts, replies)]
-    forced = common.sequence_logprobs(
+    forced = training.sequence_logprobs(
         rt.model, rt.accelerator, sequences, temperature, rt.tokenizer.pad_token_id, rt.args.micro_batch_tokens
     )
     for prompt, reply, logprobs in zip(prompts, replies, forced):
@@ -410,7 +412,7 @@ def test_update_moves_logprob_with_the_advantage_sign(runtime, sign):
     masked = [i for i, m in enumerate(datum.mask) if m]
 
     def logprob_sum():
-        (logprobs,) = common.sequence_logprobs(
+        (logprobs,) = training.sequence_logprobs(
             rt.model,
             rt.accelerator,
             [datum.tokens],
@@ -463,7 +465,7 @@ def test_ppo_epochs_let_the_clip_act_from_the_second_optimizer_step(runtime):
 
 
 def test_token_budget_batches():
-    batches = common.token_budget_batches([10, 50, 20, 30, 200], 60)
+    batches = training.token_budget_batches([10, 50, 20, 30, 200], 60)
     assert batches == [[4], [1], [3, 2], [0]]  # longest first; rows x longest <= budget, an oversize row alone
 
 
@@ -506,7 +508,7 @@ def scored_script(rt, seed=0, patterns=PATTERNS, pick=None):
                 admissible = text.rsplit("Admissible actions: ", 1)[1].split("\n")[0].split(", ")
                 replies.append(TOOL % pick(text, admissible, rng))
         tokens = [tokenizer.encode(r, add_special_tokens=False) + [tokenizer.eos_token_id] for r in replies]
-        logprobs = common.sequence_logprobs(
+        logprobs = training.sequence_logprobs(
             rt.model,
             rt.accelerator,
             [p + t for p, t in zip(prompts, tokens)],
@@ -953,13 +955,13 @@ def test_resume_continues_the_run(smoke_run, tmp_path):
 
 def test_evaluation_samples_with_common_random_numbers_and_leaves_the_training_stream(runtime, monkeypatch):
     """eval/train/success_rate: the same sampled episodes at every evaluation of the same weights (the sampler seeded
-    with common.EVAL_SEED), and the run's own random stream as it was."""
+    with harness.EVAL_SEED), and the run's own random stream as it was."""
     import torch
 
     rt = runtime(eval_games=1)
     rollouts, _ = record_rollouts_and_updates(rt, monkeypatch)
     before = torch.random.get_rng_state()
-    first, second = common.evaluate(rt, 4), common.evaluate(rt, 4)
+    first, second = harness.evaluate(rt, 4), harness.evaluate(rt, 4)
     assert torch.equal(torch.random.get_rng_state(), before)
     assert "eval/train/success_rate" in first and first == second
     sampled = [[t.tokens for group in rollouts[i] for t in group] for i in (0, 3)]  # per evaluation: train, seen, unseen

@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import common
 import offline
+import samplers
 
 
 def _digest(directory):
@@ -61,18 +62,18 @@ def test_tiny_model_builds_reloads_and_renders_offline(tmp_path, tiny_model_dir)
 
 
 def test_resolve_model_builds_tiny_once(tmp_path):
-    path = common.resolve_model("tiny", cache_dir=tmp_path)
+    path = samplers.resolve_model("tiny", cache_dir=tmp_path)
     assert (tmp_path / "tiny-model" / "model.safetensors").is_file()
     mtime = (tmp_path / "tiny-model" / "model.safetensors").stat().st_mtime_ns
-    assert common.resolve_model("tiny", cache_dir=tmp_path) == path
+    assert samplers.resolve_model("tiny", cache_dir=tmp_path) == path
     assert (tmp_path / "tiny-model" / "model.safetensors").stat().st_mtime_ns == mtime
-    assert common.resolve_model("Qwen/Qwen3-4B") == "Qwen/Qwen3-4B"
+    assert samplers.resolve_model("Qwen/Qwen3-4B") == "Qwen/Qwen3-4B"
 
 
 def test_tiny_agent_is_shipped_and_its_readme_names_its_digest():
     """--model tiny-agent needs no build: the shipped weights, whose sha256 assets/tiny-agent/README.md records (the
     digest `python -m benchmarks.learning.agents` compares a rebuild with)."""
-    path = Path(common.resolve_model("tiny-agent"))
+    path = Path(samplers.resolve_model("tiny-agent"))
     assert path == offline.SHIPPED_AGENTS_DIR / "tiny-agent"
     digest = hashlib.sha256((path / "model.safetensors").read_bytes()).hexdigest()
     assert digest in (path / "README.md").read_text()

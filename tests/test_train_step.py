@@ -13,7 +13,10 @@ import torch
 from accelerate.utils import set_seed
 
 import common
+import harness
+import samplers
 import tempo
+import training
 
 
 def full_logits_logprobs(policy, rows, temperature, pad_id, device, needed=None):
@@ -29,11 +32,11 @@ def full_logits_logprobs(policy, rows, temperature, pad_id, device, needed=None)
 
 @pytest.fixture
 def trainer(tiny_model_dir, monkeypatch):
-    monkeypatch.setattr(common, "LOGIT_CHUNK", 7)  # several chunks per micro-batch, boundaries inside rows
+    monkeypatch.setattr(training, "LOGIT_CHUNK", 7)  # several chunks per micro-batch, boundaries inside rows
     args = tempo.Args(model=str(tiny_model_dir), lora_rank=4, lora_alpha=8, temperature=0.7, micro_batch_tokens=150)
-    accelerator = common.make_accelerator()
+    accelerator = harness.make_accelerator()
     set_seed(0)
-    tokenizer, model, optimizer = common.load_model(args, accelerator)
+    tokenizer, model, optimizer = samplers.load_model(args, accelerator)
     with torch.no_grad():  # a LoRA that is not zero, so its gradients flow through both factors
         for name, p in model.named_parameters():
             if "lora_B" in name:
@@ -63,8 +66,8 @@ def test_logprobs_at_the_needed_positions_equal_the_full_computation(trainer):
     wanted = torch.tensor([n + [False] * (width - len(n)) for n in needed])
     with torch.no_grad():
         reference = full_logits_logprobs(policy, rows, 0.7, pad, device)
-        everywhere = common.forward_logprobs(policy, rows, 0.7, pad, device)
-        selected = common.forward_logprobs(policy, rows, 0.7, pad, device, wanted)
+        everywhere = training.forward_logprobs(policy, rows, 0.7, pad, device)
+        selected = training.forward_logprobs(policy, rows, 0.7, pad, device, wanted)
     lengths = torch.tensor([[t < len(r) for t in range(width)] for r in rows])
     assert torch.allclose(everywhere[lengths], reference[lengths], atol=1e-5)
     assert torch.allclose(selected[wanted], reference[wanted], atol=1e-5)
@@ -84,9 +87,9 @@ def test_gradients_equal_the_full_computation(trainer):
         (forward(policy, rows, 0.7, pad, device, wanted) * weights).sum().backward()
         return [p.grad.clone() for p in params]
 
-    for ours, theirs in zip(grads(common.forward_logprobs), grads(full_logits_logprobs)):
+    for ours, theirs in zip(grads(training.forward_logprobs), grads(full_logits_logprobs)):
         assert torch.allclose(ours, theirs, atol=1e-5, rtol=1e-4)
-    assert any(g.abs().sum() > 0 for g in grads(common.forward_logprobs))
+    assert any(g.abs().sum() > 0 for g in grads(training.forward_logprobs))
 
 
 def train_once(trainer, forward, datums, monkeypatch):
@@ -95,16 +98,16 @@ def train_once(trainer, forward, datums, monkeypatch):
     state = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     optimizer_state = trainer.optimizer.state_dict()
     if forward is not None:  # the loss reads no hidden states
-        monkeypatch.setattr(common, "teacher_forced", lambda *forward_args: (forward(*forward_args), None))
+        monkeypatch.setattr(training, "teacher_forced", lambda *forward_args: (forward(*forward_args), None))
     loss = functools.partial(tempo.policy_loss, clip_eps=0.2, clip_eps_high=0.28)
-    metrics = common.train_step(trainer, [common.Datum(**vars(d)) for d in datums], loss)
+    metrics = training.train_step(trainer, [training.Datum(**vars(d)) for d in datums], loss)
     after = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     trainer.model.load_state_dict(state)
     trainer.optimizer.load_state_dict(optimizer_state)
     return metrics, after
 
 
-def random_datums(trainer, seed: int) -> tuple[list[common.Datum], list[list[bool]]]:
+def random_datums(trainer, seed: int) -> tuple[list[training.Datum], list[list[bool]]]:
     """Datums of random rows, their old logprobs near the policy's and random advantages on the trained tokens."""
     rows, needed = batch(len(trainer.tokenizer), seed=seed)
     with torch.no_grad():
@@ -113,7 +116,7 @@ def random_datums(trainer, seed: int) -> tuple[list[common.Datum], list[list[boo
         ]
     rng = random.Random(3)
     datums = [
-        common.Datum(
+        training.Datum(
             tokens=r,
             old_logprobs=[lp + rng.gauss(0, 0.3) if n else -100.0 for lp, n in zip(logprobs, mask)],  # context: any
             advantages=[rng.gauss(0, 1) * n for n in mask],
@@ -137,9 +140,9 @@ def test_train_step_loss_metrics_and_weights_equal_the_full_computation(trainer,
         assert torch.allclose(ours_after[key], theirs_after[key], atol=1e-6), key
 
 
-@pytest.mark.parametrize("loss", ["tempo.policy_loss", "common.ppo_clip_loss"])
+@pytest.mark.parametrize("loss", ["tempo.policy_loss", "training.ppo_clip_loss"])
 def test_the_training_seam_changes_nothing_for_a_loss_that_does_not_use_it(trainer, loss):
-    """A loss without a head (tempo.py's, and common.ppo_update's that gigpo.py and adca_grpo.py train with) through
+    """A loss without a head (tempo.py's, and training.ppo_update's that gigpo.py and adca_grpo.py train with) through
     train_step, once as the scripts run it (no head, no extra field) and once with a head in the optimizer and extra
     per-token fields on every datum that the loss ignores: the metrics and the weights after the step are
     bit-identical, and the unused head has not moved."""
@@ -151,8 +154,8 @@ def test_the_training_seam_changes_nothing_for_a_loss_that_does_not_use_it(train
     def step(heads: torch.nn.ModuleDict, extra: dict) -> tuple[dict, dict]:
         trainer.model.load_state_dict(start)
         trainer.heads = heads
-        trainer.optimizer = torch.optim.AdamW(common.trained_parameters(trainer.model, heads), lr=1e-2)
-        metrics = common.train_step(trainer, [dataclasses.replace(d, extra=extra(d)) for d in datums], loss_fn)
+        trainer.optimizer = torch.optim.AdamW(samplers.trained_parameters(trainer.model, heads), lr=1e-2)
+        metrics = training.train_step(trainer, [dataclasses.replace(d, extra=extra(d)) for d in datums], loss_fn)
         return metrics, {k: v.clone() for k, v in trainer.model.state_dict().items()}
 
     plain, plain_after = step(torch.nn.ModuleDict(), lambda d: {})

@@ -27,8 +27,11 @@ from test_vllm import assert_trained_on_the_served_policy, served_adapters
 
 import adca_grpo
 import common
+import harness
 import offline
+import samplers
 import tempo
+import training
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = MODULES  # every algorithm script, found (algorithm_scripts.py)
@@ -140,8 +143,8 @@ def read_rows(path: Path) -> list[dict]:
 
 
 def policy_loss(module):
-    """The script's train_step loss: its own policy_loss, or common.ppo_update's (common.ppo_clip_loss)."""
-    return getattr(module, "policy_loss", common.ppo_clip_loss)
+    """The script's train_step loss: its own policy_loss, or training.ppo_update's (training.ppo_clip_loss)."""
+    return getattr(module, "policy_loss", training.ppo_clip_loss)
 
 
 def checkpoints(run_dir: Path) -> list[Path]:
@@ -226,12 +229,12 @@ def killed_job(games_root, tiny_model_dir, tmp_path_factory, judge):
 def test_a_count_metric_says_so_and_an_int_metric_is_refused():
     """Counts are summed over the processes, maxima the largest, everything else averaged (the 2-process runs below
     check the sums); a bare int could be either, so it fails loudly instead of being averaged."""
-    accelerator = common.make_accelerator()
-    merged = common.reduce_metrics(accelerator, {"x/requests": common.Count(3), "x/rate": 0.5, "x/peak": common.Max(2)})
+    accelerator = harness.make_accelerator()
+    merged = training.reduce_metrics(accelerator, {"x/requests": training.SummedMetric(3), "x/rate": 0.5, "x/peak": training.MaxMetric(2)})
     assert merged == {"x/requests": 3.0, "x/rate": 0.5, "x/peak": 2.0}
     for value in (3, True):
         with pytest.raises(TypeError, match="metric x/requests is an int: make it Count"):
-            common.reduce_metrics(accelerator, {"x/requests": value})
+            training.reduce_metrics(accelerator, {"x/requests": value})
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
@@ -258,9 +261,9 @@ def test_killed_job_resumes_exactly(killed_job, name):
     assert weights.keys() == expected_weights.keys()
     for key in weights:
         torch.testing.assert_close(weights[key], expected_weights[key], rtol=1e-5, atol=1e-7)
-    if (resumed / "checkpoints" / final / common.HEADS_FILE).is_file():  # the algorithm's own modules (ppo.py's head)
-        heads = load_file(resumed / "checkpoints" / final / common.HEADS_FILE)
-        expected_heads = load_file(straight / "checkpoints" / final / common.HEADS_FILE)
+    if (resumed / "checkpoints" / final / harness.HEADS_FILE).is_file():  # the algorithm's own modules (ppo.py's head)
+        heads = load_file(resumed / "checkpoints" / final / harness.HEADS_FILE)
+        expected_heads = load_file(straight / "checkpoints" / final / harness.HEADS_FILE)
         assert heads.keys() == expected_heads.keys() and any(v.abs().sum() > 0 for v in heads.values())  # trained
         for key in heads:
             torch.testing.assert_close(heads[key], expected_heads[key], rtol=1e-5, atol=1e-7)
@@ -291,7 +294,7 @@ def test_checkpoint_round_trip_continues_exactly(name, lora_rank, games_root, ti
     LoRA, and --lora-rank 0: every weight trained, checkpointed as a model.safetensors."""
     module = SCRIPTS[name]
     args = module.Args(**settings(name, games_root, tiny_model_dir, tmp_path, judge.url, lora_rank=lora_rank))
-    accelerator = common.make_accelerator()
+    accelerator = harness.make_accelerator()
 
     def runtime(seed):
         set_seed(seed)
@@ -313,8 +316,8 @@ def test_checkpoint_round_trip_continues_exactly(name, lora_rank, games_root, ti
         for traj, advantage in zip(group, (1.0, -1.0)):
             tokens, old_logprobs, step_ids = traj.sequence()
             mask = [float(k >= 0) for k in step_ids]
-            datums.append(common.Datum(tokens, old_logprobs, [advantage * m for m in mask], mask))
-        metrics = common.train_step(rt, datums, policy_loss(module))
+            datums.append(training.Datum(tokens, old_logprobs, [advantage * m for m in mask], mask))
+        metrics = training.train_step(rt, datums, policy_loss(module))
         assert metrics["train/grad_norm"] > 0 and metrics["train/nonfinite_skipped"] == 0
         return [traj.tokens for traj in group]
 
@@ -325,23 +328,23 @@ def test_checkpoint_round_trip_continues_exactly(name, lora_rank, games_root, ti
 
     straight = runtime(0)
     step(straight)
-    checkpoint = common.save_checkpoint(
+    checkpoint = harness.save_checkpoint(
         tmp_path / "run", 1, straight.model, straight.optimizer, accelerator, name, {}, {}
     )
     samples = [step(straight), step(straight)]
 
     resumed = runtime(123)
-    common.load_checkpoint(checkpoint, resumed.model, resumed.optimizer, accelerator)
+    harness.load_checkpoint(checkpoint, resumed.model, resumed.optimizer, accelerator)
     assert [step(resumed), step(resumed)] == samples
     weights = trainable(straight)
     assert len(weights) == (len(list(resumed.model.parameters())) if lora_rank == 0 else 4 * len(args.lora_targets))
     for key, value in weights.items():
         torch.testing.assert_close(trainable(resumed)[key], value, rtol=0, atol=0)
-    saved = load_file(checkpoint / common.weights_file(lora=lora_rank > 0))
-    assert json.loads((checkpoint / "trainer_state.json").read_text())["adapter_sha256"] == common.adapter_sha256(saved)
-    common.check_checkpoint(checkpoint, args, name, "--resume", 1)
+    saved = load_file(checkpoint / harness.weights_file(lora=lora_rank > 0))
+    assert json.loads((checkpoint / "trainer_state.json").read_text())["adapter_sha256"] == samplers.adapter_sha256(saved)
+    harness.check_checkpoint(checkpoint, args, name, "--resume", 1)
     with pytest.raises(ValueError, match="--lora-rank .* does not match the checkpoint"):
-        common.check_checkpoint(checkpoint, dataclasses.replace(args, lora_rank=4 - lora_rank), name, "--resume", 1)
+        harness.check_checkpoint(checkpoint, dataclasses.replace(args, lora_rank=4 - lora_rank), name, "--resume", 1)
 
 
 # =============================================================================================
@@ -351,7 +354,7 @@ def test_checkpoint_round_trip_continues_exactly(name, lora_rank, games_root, ti
 def test_eval_only_on_a_checkpoint_same_metrics_in_every_script(
     name, killed_job, games_root, tiny_model_dir, tmp_path, judge
 ):
-    """One row of exactly common.evaluate's metrics for the games evaluated: the same names in every script."""
+    """One row of exactly harness.evaluate's metrics for the games evaluated: the same names in every script."""
     module, (_, run_dir, _) = SCRIPTS[name], killed_job(name)
     checkpoint = checkpoints(run_dir)[-1]
     values = settings(name, games_root, tiny_model_dir, tmp_path, judge.url, eval_only=str(checkpoint), eval_games=2)
@@ -488,12 +491,12 @@ def test_resume_auto_is_per_seed_and_refuses_flags_that_change_the_run(
     other_seed = runs / f"{exp_name}__7__9999999999"  # a newer run of another seed
     shutil.copytree(run_dir, other_seed)
     values = settings(name, games_root, tiny_model_dir, runs, judge.url, resume="auto")
-    assert common.find_checkpoint("auto", str(runs), exp_name, 0, "--resume") == checkpoints(copy)[-1]
-    assert common.find_checkpoint("auto", str(runs), exp_name, 7, "--resume") == checkpoints(other_seed)[-1]
-    assert common.find_checkpoint("auto", str(runs), exp_name, 2, "--resume") is None
+    assert harness.find_checkpoint("auto", str(runs), exp_name, 0, "--resume") == checkpoints(copy)[-1]
+    assert harness.find_checkpoint("auto", str(runs), exp_name, 7, "--resume") == checkpoints(other_seed)[-1]
+    assert harness.find_checkpoint("auto", str(runs), exp_name, 2, "--resume") is None
 
     # another seed has nothing to resume, and says so (this start then fails on purpose, at the data root)
-    with pytest.raises(common.StartupError, match="--data-root"):
+    with pytest.raises(harness.StartupError, match="--data-root"):
         module.main(module.Args(**{**values, "seed": 2, "data_root": str(tmp_path / "nowhere")}))
     assert (
         f"--resume auto: no checkpoint of a run {exp_name}__2__* in {runs}; starting a new run"
@@ -508,7 +511,7 @@ def test_resume_auto_is_per_seed_and_refuses_flags_that_change_the_run(
     (copy / "config.json").write_text(json.dumps({old_names.get(key, key): value for key, value in config.items()}))
 
     rows_before = (copy / "metrics.jsonl").read_text()
-    with pytest.raises(common.StartupError) as error:
+    with pytest.raises(harness.StartupError) as error:
         module.main(module.Args(**{**values, "learning_rate": 0.5, "temperature": 0.7, "group_size": 3}))
     assert str(copy / "config.json") in str(error.value)
     assert "--learning-rate 0.5 (the run: 0.01); --temperature 0.7 (the run: 1.0)" in str(error.value)
@@ -538,7 +541,7 @@ def test_eval_only_evaluates_the_run_as_trained(name, killed_job, tmp_path, judg
     turns = "max_turns" if name == "tempo" else "max_turns"
     assert module.Args().seed == 1
     argv = ["--eval-only", str(run_dir), "--output-dir", str(tmp_path), f"--{turns.replace('_', '-')}", "3"]
-    eval_dir = common.cli(module.Args, module.main, argv=argv + ["--seed", "1"])
+    eval_dir = harness.cli(module.Args, module.main, argv=argv + ["--seed", "1"])
     config, trained = (json.loads((d / "config.json").read_text()) for d in (eval_dir, run_dir))
     assert config[turns] == 3 and config["eval_only"] == str(run_dir)
     assert trained["seed"] == 0 and config["seed"] == 1 and eval_dir.name.startswith(f"{trained['exp_name']}__1__")
@@ -562,7 +565,7 @@ def test_bad_game_fails_at_start_naming_it(name, split, games_root, tiny_model_d
     data = json.loads(Path(bad).read_text())
     Path(bad).write_text(json.dumps({**data, "pddl_problem": data["pddl_problem"].rstrip().removesuffix(")")}))
     values = settings(name, games_root, tiny_model_dir, tmp_path / "runs", judge.url, data_root=str(data_root))
-    with pytest.raises(common.StartupError, match=re.escape(bad) + ".*Missing"):
+    with pytest.raises(harness.StartupError, match=re.escape(bad) + ".*Missing"):
         module.main(module.Args(**{**values, "eval_every": 1}))
     assert not list(tmp_path.glob("runs/*"))
 
@@ -574,7 +577,7 @@ def test_config_records_the_data_root_used(games_root, tiny_model_dir, tmp_path,
     generated.symlink_to(games_root)  # stands in for the generated set
     monkeypatch.setattr(offline, "DEFAULT_CACHE_DIR", tmp_path / "cache")
     args = tempo.Args(**settings("tempo", games_root, tiny_model_dir, tmp_path / "runs", data_root=None))
-    args, _, _ = common.startup_checks(args, tempo.ALGORITHM, common.make_accelerator(), tempo.validate_args)
+    args, _, _ = harness.startup_checks(args, tempo.ALGORITHM, harness.make_accelerator(), tempo.validate_args)
     assert args.data_root == str(generated)
 
 
@@ -655,13 +658,13 @@ def test_launch_that_runs_fewer_processes_than_asked_warns(tmp_path):
 def test_threads_flag_default_and_oversubscription_warning(monkeypatch, capsys):
     cores = len(os.sched_getaffinity(0))
     try:
-        assert common.set_threads(tempo.Args(threads=2), 1) == 2 and torch.get_num_threads() == 2
+        assert harness.set_threads(tempo.Args(threads=2), 1) == 2 and torch.get_num_threads() == 2
         monkeypatch.setenv("OMP_NUM_THREADS", "1")
-        assert common.set_threads(tempo.Args(), 1) == 1 and torch.get_num_threads() == 1
+        assert harness.set_threads(tempo.Args(), 1) == 1 and torch.get_num_threads() == 1
         monkeypatch.delenv("OMP_NUM_THREADS")
-        assert common.set_threads(tempo.Args(), 2) == max(1, cores // 2)
+        assert harness.set_threads(tempo.Args(), 2) == max(1, cores // 2)
         capsys.readouterr()
-        assert common.set_threads(tempo.Args(), 4 * cores) == 1  # more local processes than cores
+        assert harness.set_threads(tempo.Args(), 4 * cores) == 1  # more local processes than cores
         assert "oversubscribed" in capsys.readouterr().err
     finally:
         torch.set_num_threads(1)
@@ -674,7 +677,7 @@ def test_threads_flag_default_and_oversubscription_warning(monkeypatch, capsys):
 def test_nonfinite_loss_skips_the_step(name, games_root, tiny_model_dir, tmp_path, judge, capsys):
     module = SCRIPTS[name]
     args = module.Args(**settings(name, games_root, tiny_model_dir, tmp_path, judge.url, learning_rate=1e30))
-    accelerator = common.make_accelerator()
+    accelerator = harness.make_accelerator()
     set_seed(0)
     rt = module.Runtime(args, accelerator)
     (group,) = common.rollout(
@@ -692,8 +695,8 @@ def test_nonfinite_loss_skips_the_step(name, games_root, tiny_model_dir, tmp_pat
 
     def train(advantage):
         before = {n: p.detach().clone() for n, p in rt.model.named_parameters() if p.requires_grad}
-        datum = common.Datum(tokens, old_logprobs, [advantage * m for m in mask], mask)
-        metrics = common.train_step(rt, [datum], policy_loss(module))
+        datum = training.Datum(tokens, old_logprobs, [advantage * m for m in mask], mask)
+        metrics = training.train_step(rt, [datum], policy_loss(module))
         changed = any(not torch.equal(before[n], p) for n, p in rt.model.named_parameters() if p.requires_grad)
         return metrics, changed
 
@@ -787,11 +790,11 @@ def test_two_process_job(name, games_root, tiny_model_dir, tmp_path, monkeypatch
     for checkpoint in checkpoints(run_dir):
         state = json.loads((checkpoint / "trainer_state.json").read_text())
         assert len(state["rank_states"]) == 2 and len(torch.load(checkpoint / "rng.pt", weights_only=True)) == 2
-        weights = load_file(checkpoint / common.weights_file(lora=lora_rank > 0))
-        assert state["adapter_sha256"] == common.adapter_sha256(weights)
+        weights = load_file(checkpoint / harness.weights_file(lora=lora_rank > 0))
+        assert state["adapter_sha256"] == samplers.adapter_sha256(weights)
         assert f"{state['adapter_sha256'][:16]} identical on 2 process(es)" in result.stderr
         if "heads_sha256" in state:  # the algorithm's own modules (ppo.py's value head), identical on both ranks too
-            assert state["heads_sha256"] == common.adapter_sha256(load_file(checkpoint / common.HEADS_FILE))
+            assert state["heads_sha256"] == samplers.adapter_sha256(load_file(checkpoint / harness.HEADS_FILE))
             assert f"and heads sha256 {state['heads_sha256'][:16]}" in result.stderr
 
     # W&B offline: one run (the main process's), with the sample trajectories as tables.
@@ -954,9 +957,9 @@ def test_fsdp_two_process_job(
         assert [c.name for c in checkpoints(run)] == [f"update_{u:06d}" for u in range(1, n + 1)]
     assert any(r.get("train/grad_norm", 0) > 0 for r in rows[0])  # it trained (TEMPO logs none for an idle update)
     final = [checkpoints(run)[-1] for run in runs]
-    weights = [load_file(c / common.weights_file(lora=lora_rank > 0)) for c in final]
+    weights = [load_file(c / harness.weights_file(lora=lora_rank > 0)) for c in final]
     state = json.loads((final[0] / "trainer_state.json").read_text())
-    assert state["adapter_sha256"] == common.adapter_sha256(weights[0]) and len(state["rank_states"]) == 2
+    assert state["adapter_sha256"] == samplers.adapter_sha256(weights[0]) and len(state["rank_states"]) == 2
     assert result.stderr.count("identical on 2 process(es)") == n
     optimizer = [torch.load(c / "optimizer.pt", weights_only=True)["state"] for c in final]
     trained = sum(v.numel() for v in weights[0].values())
@@ -992,5 +995,5 @@ def test_fsdp_two_process_job(
             torch.testing.assert_close(optimizer[1][index][key], optimizer[0][index][key], rtol=1e-5, atol=1e-9)
     if name == FSDP_EVAL_ONLY:  # in one process, no --fsdp: taken from the command line, not from the run's config
         argv = ["--eval-only", str(runs[1]), "--output-dir", str(tmp_path / "eval")]
-        (row,) = read_rows(common.cli(SCRIPTS[name].Args, SCRIPTS[name].main, argv=argv) / "metrics.jsonl")
+        (row,) = read_rows(harness.cli(SCRIPTS[name].Args, SCRIPTS[name].main, argv=argv) / "metrics.jsonl")
         assert row["update"] == n and row["checkpoint"] == str(final[1]) and "eval/train/success_rate" in row

@@ -20,8 +20,11 @@ from test_kv_cache import perturb_adapter
 from vllm_server import restart_during_run
 
 import common
+import harness
 import offline
+import samplers
 import tempo
+import training
 from benchmarks.vllm_cpu import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,8 +42,8 @@ def trainer(tmp_path_factory):
     """The tiny agent with a rank-4 LoRA adapter, as a run loads it (each test builds its sampler on top)."""
     args = tempo.Args(model=offline.TINY_AGENT, lora_rank=4, lora_alpha=8, max_trajectory_tokens=4096,
                       output_dir=str(tmp_path_factory.mktemp("o")))  # fmt: skip
-    accelerator = common.make_accelerator()
-    tokenizer, model, _ = common.load_model(args, accelerator)
+    accelerator = harness.make_accelerator()
+    tokenizer, model, _ = samplers.load_model(args, accelerator)
     return args, accelerator, tokenizer, model
 
 
@@ -61,7 +64,7 @@ def chat_prompts(tokenizer, n: int) -> list[list[int]]:
 def logprob_gaps(model, accelerator, tokenizer, prompts, completions) -> list[float]:
     """|served - teacher-forced| logprob of every sampled token."""
     sequences = [p + c.tokens for p, c in zip(prompts, completions)]
-    trainer = common.sequence_logprobs(model, accelerator, sequences, 1.0, tokenizer.pad_token_id, 8192)
+    trainer = training.sequence_logprobs(model, accelerator, sequences, 1.0, tokenizer.pad_token_id, 8192)
     return [abs(a - b) for p, c, t in zip(prompts, completions, trainer) for a, b in zip(c.logprobs, t[len(p) :])]
 
 
@@ -77,7 +80,7 @@ def assert_same_policy(gaps: list[float]) -> None:
 def test_served_tokens_and_logprobs_match_a_teacher_forced_pass_and_the_adapter_hot_swaps(vllm, trainer):
     args, accelerator, tokenizer, model = trainer
     perturb_adapter(model, 0)
-    sampler = common.make_sampler(model, tokenizer, accelerator, server_args(args, vllm.url))
+    sampler = samplers.make_sampler(model, tokenizer, accelerator, server_args(args, vllm.url))
     first = sampler.adapter_name
     prefix = first.rsplit("-", 1)[0]  # this sampler's adapters (earlier tests' runs may have left theirs loaded)
 
@@ -101,7 +104,7 @@ def test_served_tokens_and_logprobs_match_a_teacher_forced_pass_and_the_adapter_
 
 def test_max_tokens_is_capped_at_the_servers_context(vllm, trainer):
     args, accelerator, tokenizer, model = trainer
-    sampler = common.make_sampler(model, tokenizer, accelerator, server_args(args, vllm.url))
+    sampler = samplers.make_sampler(model, tokenizer, accelerator, server_args(args, vllm.url))
     (prompt,) = chat_prompts(tokenizer, 1)
     prompt = prompt[:-8] + [prompt[1]] * (vllm.max_model_len - 3 - len(prompt)) + prompt[-8:]
     (completion,) = sampler([prompt], 8)  # vLLM answers 400 to a prompt + max_tokens above --max-model-len
@@ -111,7 +114,7 @@ def test_max_tokens_is_capped_at_the_servers_context(vllm, trainer):
 
 def test_a_refused_request_fails_at_once_with_the_servers_message(vllm, trainer):
     args, accelerator, tokenizer, model = trainer
-    sampler = common.make_sampler(model, tokenizer, accelerator, server_args(args, vllm.url))
+    sampler = samplers.make_sampler(model, tokenizer, accelerator, server_args(args, vllm.url))
     start = time.monotonic()
     with pytest.raises(RuntimeError, match=rf"refused a completion request \(400 Token id {len(tokenizer) + 5} is out"):
         sampler([[len(tokenizer) + 5]], 4)
@@ -122,7 +125,7 @@ def test_an_adapter_gone_mid_burst_is_loaded_again(vllm, trainer):
     """A server restarted during a burst answers 404 for the adapter: loaded again, once, and the burst goes on."""
     args, accelerator, tokenizer, model = trainer
     perturb_adapter(model, 2)
-    sampler = common.make_sampler(model, tokenizer, accelerator, server_args(args, vllm.url))
+    sampler = samplers.make_sampler(model, tokenizer, accelerator, server_args(args, vllm.url))
     prompts = chat_prompts(tokenizer, 4)
     assert httpx.post(vllm.url + "/unload_lora_adapter", json={"lora_name": sampler.adapter_name}).status_code == 200
     assert sampler.adapter_name not in served_adapters(vllm.url)
@@ -140,7 +143,7 @@ def test_both_samplers_stop_on_every_eos_of_the_generation_config(vllm, trainer)
     prompts = chat_prompts(tokenizer, 3)
     for seed in range(3, 13):  # an adapter whose greedy replies have a token that first appears mid-reply
         perturb_adapter(model, seed)  # (the LoRA A matrices are the run's random init: not every seed gives one)
-        plain = common.make_sampler(model, tokenizer, accelerator, args, greedy=True)(prompts, 12)
+        plain = samplers.make_sampler(model, tokenizer, accelerator, args, greedy=True)(prompts, 12)
         found = next(
             (
                 (row, i, t)
@@ -159,9 +162,9 @@ def test_both_samplers_stop_on_every_eos_of_the_generation_config(vllm, trainer)
     saved = policy.generation_config.eos_token_id
     policy.generation_config.eos_token_id = [tokenizer.eos_token_id, second]
     try:
-        ours = common.make_sampler(model, tokenizer, accelerator, args, greedy=True)(prompts, 12)
+        ours = samplers.make_sampler(model, tokenizer, accelerator, args, greedy=True)(prompts, 12)
         served_args = server_args(args, vllm.url)
-        theirs = common.make_sampler(model, tokenizer, accelerator, served_args, greedy=True)(prompts, 12)
+        theirs = samplers.make_sampler(model, tokenizer, accelerator, served_args, greedy=True)(prompts, 12)
     finally:
         policy.generation_config.eos_token_id = saved
     assert ours[row].tokens == tokens[: cut + 1]
@@ -174,26 +177,26 @@ def test_both_samplers_stop_on_every_eos_of_the_generation_config(vllm, trainer)
 def test_old_logprobs_are_recomputed_on_the_trainer_and_the_drift_reported(vllm, trainer):
     args, accelerator, tokenizer, model = trainer
     served_args = server_args(args, vllm.url)
-    sampler = common.make_sampler(model, tokenizer, accelerator, served_args)
+    sampler = samplers.make_sampler(model, tokenizer, accelerator, served_args)
     prompt = chat_prompts(tokenizer, 1)[0]
     reply = sampler([prompt], 16)[0]
     shifted = [lp - 0.25 for lp in reply.logprobs]  # as if the server's kernels were off by 0.25 nats
-    datum = common.Datum(prompt + reply.tokens, [0.0] * len(prompt) + shifted, [1.0] * (len(prompt) + len(shifted)),
+    datum = training.Datum(prompt + reply.tokens, [0.0] * len(prompt) + shifted, [1.0] * (len(prompt) + len(shifted)),
                          [0.0] * len(prompt) + [1.0] * len(shifted))  # fmt: skip
     rt = SimpleNamespace(args=served_args, model=model, accelerator=accelerator, tokenizer=tokenizer)
-    metrics = common.refresh_old_logprobs(rt, [datum])
+    metrics = training.refresh_old_logprobs(rt, [datum])
     assert metrics["rollout/logprob_drift_mean"] == pytest.approx(0.25, abs=1e-4)
     assert metrics["rollout/logprob_drift_max"] == pytest.approx(0.25, abs=1e-4)
     assert max(abs(a - b) for a, b in zip(datum.old_logprobs[len(prompt) :], reply.logprobs)) < 1e-4
     off = dataclasses.replace(served_args, recompute_logprobs=False)
-    assert common.refresh_old_logprobs(SimpleNamespace(**{**vars(rt), "args": off}), [datum]) == {}
+    assert training.refresh_old_logprobs(SimpleNamespace(**{**vars(rt), "args": off}), [datum]) == {}
 
 
 @pytest.mark.parametrize("temperature, warned", [(1.0, False), (0.7, True)])
 def test_server_logprobs_at_another_temperature_warn_at_start(vllm, trainer, capsys, temperature, warned):
     args, accelerator, tokenizer, model = trainer
     settings = dict(recompute_logprobs=False, temperature=temperature)
-    common.make_sampler(model, tokenizer, accelerator, server_args(args, vllm.url, **settings))
+    samplers.make_sampler(model, tokenizer, accelerator, server_args(args, vllm.url, **settings))
     assert ("--logprobs-mode processed_logprobs" in capsys.readouterr().err) == warned
 
 
@@ -217,9 +220,9 @@ def test_start_up_checks_against_the_real_server(vllm, trainer, overrides, ours,
     args, accelerator, tokenizer, model = trainer
     args = server_args(args, vllm.url, **overrides)
     if "lora_rank" in overrides:  # the rank the server sees is the saved adapter's
-        tokenizer, model, _ = common.load_model(args, accelerator)
+        tokenizer, model, _ = samplers.load_model(args, accelerator)
     with pytest.raises(ValueError, match=ours) as error:
-        common.make_sampler(model, tokenizer, accelerator, args)
+        samplers.make_sampler(model, tokenizer, accelerator, args)
     assert theirs in str(error.value)
 
 
@@ -227,7 +230,7 @@ def test_no_server_at_start_fails_at_once(trainer):
     args, accelerator, tokenizer, model = trainer
     start = time.monotonic()
     with pytest.raises(ValueError, match="no server answers GET /models .*start vLLM first"):
-        common.make_sampler(model, tokenizer, accelerator, server_args(args, f"http://127.0.0.1:{free_port()}/v1"))
+        samplers.make_sampler(model, tokenizer, accelerator, server_args(args, f"http://127.0.0.1:{free_port()}/v1"))
     assert time.monotonic() - start < 5  # mid-run the control routes are retried; at start nothing is worth waiting for
 
 
@@ -235,7 +238,7 @@ def test_a_server_without_lora_is_refused_at_start(vllm_without_lora, trainer):
     args, accelerator, tokenizer, model = trainer
     try:
         with pytest.raises(ValueError, match="start vllm serve with --enable-lora") as error:
-            common.make_sampler(model, tokenizer, accelerator, server_args(args, vllm_without_lora.wait_ready().url))
+            samplers.make_sampler(model, tokenizer, accelerator, server_args(args, vllm_without_lora.wait_ready().url))
     finally:
         vllm_without_lora.stop()  # used only here
     assert "500 Call to add_lora method failed: Worker failed with error 'LoRA is not enabled." in str(error.value)

@@ -44,7 +44,9 @@ from typing import Literal, Sequence
 import tyro
 
 import common
+import harness
 import offline
+import samplers
 from benchmarks.learning import agents, critic
 from benchmarks.learning.runs import (
     MAIN_ARMS,
@@ -152,7 +154,7 @@ class Evaluator:
 
         torch.set_num_threads(args.threads)
         self.warm, self.games, self.args, self.recipe = warm, games, args, recipe(args.setting)
-        self.accelerator = common.make_accelerator()
+        self.accelerator = harness.make_accelerator()
         self.tokenizer = AutoTokenizer.from_pretrained(warm, padding_side="left")
         self.protocol = common.ChatProtocol(self.tokenizer)
 
@@ -167,9 +169,9 @@ class Evaluator:
         sampling, cap = dataclasses.replace(self.recipe, temperature=1.0, top_p=1.0), self.recipe.max_turns
         result = {}
         for mode, branches in (("sampled", episodes), ("greedy", 1)):
-            sample_fn = common.make_sampler(model, self.tokenizer, self.accelerator, sampling, greedy=mode == "greedy")
+            sample_fn = samplers.make_sampler(model, self.tokenizer, self.accelerator, sampling, greedy=mode == "greedy")
             starts = [common.game_start(game, self.protocol) for game in self.games]
-            with common.seeded_sampling(common.EVAL_SEED):  # common random numbers: the same for every checkpoint
+            with harness.seeded_sampling(harness.EVAL_SEED):  # common random numbers: the same for every checkpoint
                 groups = common.rollout(
                     starts, branches, sample_fn, self.protocol, horizon=cap, max_turns=cap,
                     max_turn_tokens=sampling.max_turn_tokens, max_trajectory_tokens=sampling.max_trajectory_tokens,

@@ -42,7 +42,9 @@ from typing import Literal, Sequence
 import tyro
 
 import common
+import harness
 import offline
+import training
 from benchmarks.learning import agents, runs
 
 NOTHING = "Nothing happens."
@@ -116,7 +118,7 @@ def tempo_args(model: str | Path, games: Path, seed: int = 1, setting: str = "sh
     command = runs.algorithm_command(
         "tempo", seed, runs.UPDATES, Path(model), games, Path("runs"), setting, runs.SAVE_EVERY
     )
-    parsed = common.cli(tempo.Args, lambda args: args, tempo.PRESETS, argv=command[1:])
+    parsed = harness.cli(tempo.Args, lambda args: args, tempo.PRESETS, argv=command[1:])
     return dataclasses.replace(parsed, threads=1, **overrides)
 
 
@@ -127,9 +129,9 @@ def make_runtime(args, checkpoint: Path | None = None):
     import tempo
 
     torch.set_num_threads(args.threads)
-    rt = tempo.Runtime(args, common.make_accelerator())
+    rt = tempo.Runtime(args, harness.make_accelerator())
     if checkpoint is not None:
-        common.load_checkpoint(checkpoint, rt.model, None, rt.accelerator)
+        harness.load_checkpoint(checkpoint, rt.model, None, rt.accelerator)
     return rt
 
 
@@ -388,7 +390,7 @@ def warm_up(rt, pool: Pool, warmup: Warmup, episodes_per_update: int, seed: int)
         values, datums = tempo.score_critic(
             prompts, replies, batch_targets, rt.args.r_max, warmup.critic_error == "squared"
         )
-        metrics = common.refresh_old_logprobs(rt, datums) | tempo.ppo_update(rt, datums)  # one optimizer step
+        metrics = training.refresh_old_logprobs(rt, datums) | tempo.ppo_update(rt, datums)  # one optimizer step
         metrics |= tempo.critic_metrics(values, batch_targets, "critic/value_corr")
         metrics["head/mse"] = head.step(last_hidden_states(rt, prompts), batch_targets)
         rows.append({"update": update, "states": len(index), "datums": len(datums), **metrics})
@@ -681,17 +683,17 @@ def ppo_value_head(probe: Probe, model: Path, checkpoint: Path) -> dict:
     command = runs.algorithm_command(
         "ppo", seed, runs.UPDATES, model, probe.games_dir, Path("runs"), setting, runs.SAVE_EVERY
     )
-    args = dataclasses.replace(common.cli(ppo.Args, lambda a: a, ppo.PRESETS, argv=command[1:]), threads=1)
+    args = dataclasses.replace(harness.cli(ppo.Args, lambda a: a, ppo.PRESETS, argv=command[1:]), threads=1)
     torch.set_num_threads(args.threads)
-    rt = ppo.Runtime(args, common.make_accelerator())
-    common.load_checkpoint(checkpoint, rt.model, None, rt.accelerator, rt.heads)
+    rt = ppo.Runtime(args, harness.make_accelerator())
+    harness.load_checkpoint(checkpoint, rt.model, None, rt.accelerator, rt.heads)
     torch.manual_seed(probe.args.seed)
     log(f"true V of {len(probe.heldout)} held-out states under {checkpoint}: {probe.args.continuations} continuations")
     turns = args.max_turns
     groups = rt.play(probe.heldout, probe.args.continuations, horizon=turns, max_turns=turns)
     summary = value_summary([[t.won for t in group] for group in groups])
     prompts = [state.prefix_tokens for state in probe.heldout]
-    hidden = common.hidden_states_at(rt, prompts, [[len(p) - 1] for p in prompts])
+    hidden = training.hidden_states_at(rt, prompts, [[len(p) - 1] for p in prompts])
     with torch.no_grad():
         predictions = [rt.heads["value"](states).item() for states in hidden]
     return score(predictions, summary["values"]) | {"values": summary}

@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import common
+import samplers
 from benchmarks.vllm_cpu import ROOT, VllmServer, on_cores, split_cores
 
 
@@ -69,7 +69,7 @@ def main():
     load = os.getloadavg()[0]
     print(f"load average {load:.1f} on {cores} cores" + (" (busy: the figures are contaminated)" if load > 1 else ""))
     with tempfile.TemporaryDirectory() as tmp:
-        model = common.resolve_model("tiny-agent")
+        model = samplers.resolve_model("tiny-agent")
         with VllmServer(model, Path(tmp) / "server.log", max_model_len=8192, cores=server_cores) as server:
             per_arm = {steps: [] for steps in args.steps}
             for repeat in range(args.repeats):

@@ -1,4 +1,4 @@
-"""--fsdp on CPU (gloo): per-process peak memory of one full-weight update (common.train_step, AdamW's first step) on
+"""--fsdp on CPU (gloo): per-process peak memory of one full-weight update (training.train_step, AdamW's first step) on
 a random Qwen2-shaped model at 1 process (unsharded) and 2 processes (--fsdp), against the floor (weights + gradients
 + Adam) / N, and the update's loss, gradient norm and weights, which must agree across the two (the same global
 batch: each process trains its half).
@@ -85,17 +85,19 @@ def measure(args: Args) -> None:
     import torch
     from safetensors.torch import save_file
 
-    import common
+    import harness
+    import samplers
+    import training
 
     torch.manual_seed(0)
     rss = PeakMemory()
-    accelerator = common.make_accelerator()
-    run_args = common.PPOArgs(
+    accelerator = harness.make_accelerator()
+    run_args = harness.PPOArgs(
         model=args.worker, lora_rank=args.lora_rank, lora_alpha=2 * max(args.lora_rank, 1), learning_rate=1e-3,
         micro_batch_tokens=args.tokens, fsdp=accelerator.num_processes > 1, dual_clip_c=None,
     )  # fmt: skip
     before, _ = rss.mark()
-    tokenizer, model, optimizer = common.load_model(run_args, accelerator)
+    tokenizer, model, optimizer = samplers.load_model(run_args, accelerator)
     rt = types.SimpleNamespace(
         args=run_args, accelerator=accelerator, tokenizer=tokenizer, model=model, optimizer=optimizer,
         heads=torch.nn.ModuleDict(),
@@ -107,22 +109,22 @@ def measure(args: Args) -> None:
         tokens = [rng.randrange(vocab) for _ in range(args.tokens)]
         mask = [0.0] + [float(rng.random() < 0.5) for _ in range(args.tokens - 1)]
         old = [-rng.uniform(5.0, 9.0) for _ in range(args.tokens)]
-        datums.append(common.Datum(tokens, old, [rng.gauss(0, 1) * m for m in mask], mask))
+        datums.append(training.Datum(tokens, old, [rng.gauss(0, 1) * m for m in mask], mask))
     mine = datums[accelerator.process_index :: accelerator.num_processes]
-    gathered = common.gather_weights
+    gathered = samplers.gather_weights
     phases = {}
 
     def gather_after_update(policy):  # the update ends where train_step gathers the weights again
         phases["update"] = rss.mark()
         gathered(policy)
 
-    common.gather_weights = gather_after_update
+    samplers.gather_weights = gather_after_update
     loaded, _ = rss.mark()
-    metrics = common.train_step(rt, mine, common.ppo_clip_loss)
+    metrics = training.train_step(rt, mine, training.ppo_clip_loss)
     phases["gather"] = rss.mark()
-    common.gather_weights = gathered
+    samplers.gather_weights = gathered
     policy = accelerator.unwrap_model(model)
-    weights = {k: v.detach().cpu().contiguous() for k, v in common.trained_weights(policy).items()}
+    weights = {k: v.detach().cpu().contiguous() for k, v in samplers.trained_weights(policy).items()}
     parameters = sum(p.numel() for p in policy.parameters())  # gathered: the whole model
     trained = sum(v.numel() for v in weights.values())
     state_bytes = 4 * trained * next(policy.parameters()).element_size()  # weights, gradients, 2 Adam moments
@@ -133,7 +135,7 @@ def measure(args: Args) -> None:
         "trained_parameters": trained,
         "loss": metrics["train/loss"],
         "grad_norm": metrics["train/grad_norm"],
-        "weights_sha256": common.adapter_sha256(weights),
+        "weights_sha256": samplers.adapter_sha256(weights),
         "baseline_gb": before / 1e9,
         "loaded_gb": (loaded - before) / 1e9,
         "update_peak_gb": (phases["update"][0] - before) / 1e9,
@@ -147,7 +149,7 @@ def measure(args: Args) -> None:
     if accelerator.is_main_process:
         save_file(weights, str(out / "weights.safetensors"))
     rss.running = False
-    common.close_distributed()
+    harness.close_distributed()
 
 
 def run(args: Args, model_dir: Path, processes: int, out: Path) -> list[dict]:

@@ -1,6 +1,6 @@
 """The prepared device check: one GRPO update (adca_grpo.py --no-attribution) and one TEMPO TD update (tempo.py) on a
 randomly initialised model of Qwen3-4B's shape (bf16, gradient checkpointing: what load_model does on a GPU), through
-the scripts' own main(): peak GPU memory, sampled tokens/s and sampling MFU; then one common.train_step on a GRPO
+the scripts' own main(): peak GPU memory, sampled tokens/s and sampling MFU; then one training.train_step on a GRPO
 update's episodes with advantages +1 / -1 (a random model wins nothing, so the updates themselves train nothing):
 trained tokens/s and training MFU against the GPU's bf16 peak. On a machine with 2+ GPUs, also --fsdp: one
 full-weight update sharded over every GPU against one unsharded process (benchmarks/speed/fsdp_memory.py at its large
@@ -31,8 +31,11 @@ import tyro
 
 import adca_grpo
 import common
+import harness
 import offline
+import samplers
 import tempo
+import training
 
 QWEN3_4B = dict(  # Qwen/Qwen3-4B's config.json (the shape only; weights are random)
     hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
@@ -79,7 +82,7 @@ def build_model(shape: dict, out_dir: Path) -> Path:
     import torch
     from transformers import AutoTokenizer, GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
-    tokenizer = AutoTokenizer.from_pretrained(common.resolve_model("tiny"))
+    tokenizer = AutoTokenizer.from_pretrained(samplers.resolve_model("tiny"))
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     shape = {"vocab_size": len(tokenizer), **shape}
     config = Qwen3Config(**shape, bos_token_id=pad, eos_token_id=eos, pad_token_id=pad)
@@ -145,16 +148,16 @@ def measure_train_step(run_args, parameters: int, tflops: float) -> dict:
     """One train_step on a GRPO update's worth of episodes (groups_per_update x group size), advantages +1 / -1."""
     import functools
 
-    rt = adca_grpo.Runtime(run_args, common.make_accelerator())
+    rt = adca_grpo.Runtime(run_args, harness.make_accelerator())
     starts = [rt.next_game_start() for _ in range(run_args.groups_per_update)]
     turns, branches = run_args.max_turns, run_args.group_size
     trajectories = [t for group in rt.play(starts, branches, horizon=turns, max_turns=turns) for t in group]
     signs = [[1.0 if i % 2 else -1.0] * len(t.steps) for i, t in enumerate(trajectories)]
-    loss = functools.partial(common.ppo_clip_loss, clip_eps=0.2, clip_eps_high=0.28)
-    datums = common.trajectory_datums(trajectories, signs)
+    loss = functools.partial(training.ppo_clip_loss, clip_eps=0.2, clip_eps_high=0.28)
+    datums = training.trajectory_datums(trajectories, signs)
     reset_peak_memory()
     start = time.perf_counter()
-    metrics = common.train_step(rt, datums, loss)
+    metrics = training.train_step(rt, datums, loss)
     seconds = time.perf_counter() - start
     forward_tokens = metrics["train/sequence_tokens"]
     return {

@@ -13,7 +13,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import common
+import harness
 import offline
+import samplers
 import tempo
 
 TOOL = '<tool_call>\n{"name": "alfworld_step", "arguments": {"action": "%s"}}\n</tool_call>'
@@ -41,7 +43,7 @@ def main():
     parser.add_argument("--long-turns", type=int, default=24)
     args = parser.parse_args()
     torch.manual_seed(0)
-    model_dir = common.resolve_model("tiny")
+    model_dir = samplers.resolve_model("tiny")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     protocol = common.ChatProtocol(tokenizer)
     game_file = common.discover_games(args.data_root or offline.default_data_root(), "train")[0]
@@ -80,7 +82,7 @@ def main():
     groups = common.rollout(
         [state],
         args.branches,
-        timed_sampler(common.make_sampler(model, tokenizer, common.make_accelerator(), tempo.Args()), clock),
+        timed_sampler(samplers.make_sampler(model, tokenizer, harness.make_accelerator(), tempo.Args()), clock),
         protocol,
         horizon=args.turns,
         max_episode_steps=50,
@@ -96,12 +98,12 @@ def main():
     )
 
     # 3. one sampling turn vs history length, 4. a long-horizon rollout: with and without KV reuse
-    model_dir = common.resolve_model("tiny-agent")  # its architecture: hidden 128, 4 layers, 2 KV heads
+    model_dir = samplers.resolve_model("tiny-agent")  # its architecture: hidden 128, 4 layers, 2 KV heads
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    accelerator = common.make_accelerator()
+    accelerator = harness.make_accelerator()
     samplers = {
-        name: common.make_sampler(model, tokenizer, accelerator, tempo.Args(kv_cache_mb=mb))
+        name: samplers.make_sampler(model, tokenizer, accelerator, tempo.Args(kv_cache_mb=mb))
         for name, mb in (("reuse", tempo.Args.kv_cache_mb), ("re-prefill", 0))
     }
     print(

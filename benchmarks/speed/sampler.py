@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-import common
+import harness
+import samplers
 import tempo
 from benchmarks.vllm_cpu import VllmServer
 
@@ -77,7 +78,7 @@ def main():
     parser.add_argument("--histories", type=int, nargs="*", default=[300, 6000])
     parser.add_argument("--lora-rank", type=int, default=16)
     args = parser.parse_args()
-    model_dir = common.resolve_model(args.model)
+    model_dir = samplers.resolve_model(args.model)
     output_dir = tempfile.mkdtemp(prefix="benchmark-sampler-")
     with contextlib.ExitStack() as stack:
         url = args.sampler_url
@@ -89,13 +90,13 @@ def main():
         settings = dict(model=args.model, lora_rank=args.lora_rank, lora_alpha=2 * args.lora_rank,
                         sample_batch_size=args.branches, max_trajectory_tokens=8192, output_dir=output_dir,
                         exp_name="benchmark")  # fmt: skip
-        accelerator = common.make_accelerator()
+        accelerator = harness.make_accelerator()
         generate_args = tempo.Args(**settings)
-        tokenizer, model, _ = common.load_model(generate_args, accelerator)
+        tokenizer, model, _ = samplers.load_model(generate_args, accelerator)
         vocab = len(tokenizer)
         samplers = {
-            "generate (KV reuse)": common.make_sampler(model, tokenizer, accelerator, generate_args),
-            "vllm server": common.make_sampler(
+            "generate (KV reuse)": samplers.make_sampler(model, tokenizer, accelerator, generate_args),
+            "vllm server": samplers.make_sampler(
                 model, tokenizer, accelerator, tempo.Args(**settings, sampler="vllm", sampler_url=url)
             ),
         }

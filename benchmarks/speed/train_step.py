@@ -1,6 +1,6 @@
 """One training step at a Qwen-size vocabulary: peak memory and trained tokens/s of today's path (the lm_head and the
 log-softmax only at the trained positions, LOGIT_CHUNK at a time, recomputed in the backward pass:
-common.teacher_forced) against the full-logits path it replaced (fp32 logits of every position, kept here as the
+training.teacher_forced) against the full-logits path it replaced (fp32 logits of every position, kept here as the
 reference), the floor (the lm_head at the trained positions only, all at once, nothing recomputed) and the body alone
 (the transformer without any lm_head: what no logprob path can beat).
 
@@ -8,7 +8,7 @@ reference), the floor (the lm_head at the trained positions only, all at once, n
     python -m benchmarks.speed.train_step --tokens 4096 --trained-share 0.3
 
 Each measurement runs in a fresh process (peak RSS is per process): a random 2-layer Qwen2 with Qwen's 151,936-token
-vocabulary, LoRA as the scripts load it, one `common.train_step` on one datum whose trained tokens are spread over it.
+vocabulary, LoRA as the scripts load it, one `training.train_step` on one datum whose trained tokens are spread over it.
 """
 
 from __future__ import annotations
@@ -93,13 +93,12 @@ def measure(args: Args) -> dict:
     import psutil
     import torch
 
-    import common
     import tempo
 
     torch.set_num_threads(args.threads)
     run_args = tempo.Args(model=args.model_dir, lora_rank=16, lora_alpha=32, micro_batch_tokens=max(args.tokens))
-    accelerator = common.make_accelerator()
-    tokenizer, model, optimizer = common.load_model(run_args, accelerator)
+    accelerator = harness.make_accelerator()
+    tokenizer, model, optimizer = samplers.load_model(run_args, accelerator)
     rt = types.SimpleNamespace(
         args=run_args,
         accelerator=accelerator,
@@ -110,15 +109,15 @@ def measure(args: Args) -> dict:
     )
     other_paths = {"full_logits": full_logits_logprobs, "floor": trained_positions_at_once, "body_only": body_only}
     if args.path in other_paths:  # train_step's forward pass: (logprobs, hidden states), which tempo's loss ignores
-        common.teacher_forced = lambda *forward_args: (other_paths[args.path](*forward_args), None)
+        training.teacher_forced = lambda *forward_args: (other_paths[args.path](*forward_args), None)
     rng = random.Random(0)
     (n,) = args.tokens
     tokens = [rng.randrange(args.vocab_size) for _ in range(n)]
     mask = [0.0] + [1.0 if rng.random() < args.trained_share else 0.0 for _ in range(n - 1)]
-    datum = common.Datum(tokens, [-1.0] * n, [rng.gauss(0, 1) * m for m in mask], mask)
+    datum = training.Datum(tokens, [-1.0] * n, [rng.gauss(0, 1) * m for m in mask], mask)
     before = psutil.Process().memory_info().rss
     start = time.perf_counter()
-    metrics = common.train_step(rt, [datum], tempo.policy_loss)
+    metrics = training.train_step(rt, [datum], tempo.policy_loss)
     seconds = time.perf_counter() - start
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {"path": args.path, "tokens": n, "trained": sum(mask), "seconds": seconds,
@@ -131,10 +130,12 @@ def main(args: Args) -> None:
         return
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
-    import common
+    import harness
+    import samplers
+    import training
 
     with tempfile.TemporaryDirectory() as model_dir:
-        tiny = common.resolve_model("tiny")  # a tokenizer for the model dir; the ids below are random in the vocab
+        tiny = samplers.resolve_model("tiny")  # a tokenizer for the model dir; the ids below are random in the vocab
         AutoTokenizer.from_pretrained(tiny).save_pretrained(model_dir)
         config = Qwen2Config(
             vocab_size=args.vocab_size, hidden_size=args.hidden_size, intermediate_size=2 * args.hidden_size,

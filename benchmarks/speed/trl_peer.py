@@ -50,6 +50,9 @@ import tyro
 
 import adca_grpo
 import common
+import harness
+import samplers
+import training
 from benchmarks.vllm_cpu import VllmServer, split_cores
 
 # (our flag = value, what TRL does instead, why it cannot be matched)
@@ -116,14 +119,14 @@ def script_args(args: Args) -> adca_grpo.Args:
     ):
         if value is not None:
             argv += [flag, str(value)]
-    return common.cli(adca_grpo.Args, lambda parsed: parsed, adca_grpo.PRESETS, argv)
+    return harness.cli(adca_grpo.Args, lambda parsed: parsed, adca_grpo.PRESETS, argv)
 
 
 def trl_settings(a: adca_grpo.Args, first_prompt_tokens: int, output_dir: str, gradient_checkpointing: bool):
     """(GRPOConfig keyword arguments, LoraConfig) of the same job, field by field from our run's arguments."""
     from peft import LoraConfig
 
-    common.check(
+    harness.require_all(
         (a.kl_beta == 0, "trl_peer: TRL has no KL reward shaping (--kl-beta)"),
         (a.mini_batches == 1, "trl_peer: TRL splits a rollout into optimizer steps differently (--mini-batches)"),
     )
@@ -275,9 +278,9 @@ def ours_worker(conn, args: Args, cores: list[int] | None) -> None:
         os.sched_setaffinity(0, cores)
     turns, log, check = Turns(conn), SampleLog(), {}
     log.recording = True  # until update 1's check: with --async-steps its batch is sampled before the update begins
-    sample, train_step, update_fn = common.GenerateSampler.__call__, common.train_step, adca_grpo.adca_update
-    complete_all, start_rollouts = common.ServerSampler._complete_all, common.AsyncRollouts.__init__
-    play = common.Runtime.play
+    sample, train_step, update_fn = samplers.GenerateSampler.__call__, training.train_step, adca_grpo.adca_update
+    complete_all, start_rollouts = samplers.ServerSampler._complete_all, harness.AsyncRollouts.__init__
+    play = harness.Runtime.play
     batches = []  # --sampler vllm: (seconds, tokens the server prefilled) of each training batch's play, in order
 
     def recorded_sample(sampler, prompts, max_new_tokens):
@@ -308,7 +311,7 @@ def ours_worker(conn, args: Args, cores: list[int] | None) -> None:
                 as_sampled=sum(log.trained_as_sampled(d.tokens, [m > 0 for m in d.mask]) for d in datums),
             )
             if args.sampler == "generate":  # through the server they are the trainer's already: see timed_update
-                fresh = common.trained_logprobs(rt, datums)
+                fresh = training.trained_logprobs(rt, datums)
                 check["max_logprob_diff"] = max(abs(new - old) for d, f in zip(datums, fresh)
                                                 for new, old, m in zip(f, d.old_logprobs, d.mask) if m)  # fmt: skip
         return train_step(rt, datums, loss_fn)
@@ -338,10 +341,10 @@ def ours_worker(conn, args: Args, cores: list[int] | None) -> None:
         )
         return metrics, samples
 
-    common.GenerateSampler.__call__, common.train_step = recorded_sample, checked_train_step
-    common.ServerSampler._complete_all, common.AsyncRollouts.__init__ = recorded_complete_all, rollouts_from_turn_1
+    samplers.GenerateSampler.__call__, training.train_step = recorded_sample, checked_train_step
+    samplers.ServerSampler._complete_all, harness.AsyncRollouts.__init__ = recorded_complete_all, rollouts_from_turn_1
     if args.sampler == "vllm":
-        common.Runtime.play = timed_play
+        harness.Runtime.play = timed_play
     adca_grpo.adca_update = timed_update  # main() looks it up at each update
     adca_grpo.main(script_args(args))
     conn.send({"done": True, "check": check, "peak_rss_gb": peak_rss_gb()})
@@ -407,7 +410,7 @@ def trl_worker(conn, args: Args, cores: list[int] | None) -> None:
     a = script_args(args)
     torch.set_num_threads(1)
     set_seed(a.seed)
-    model_dir, data_root = common.resolve_model(a.model), common.resolve_data_root(a.data_root, a.model)
+    model_dir, data_root = samplers.resolve_model(a.model), common.resolve_data_root(a.data_root, a.model)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
     protocol = common.ChatProtocol(tokenizer)
     games = common.discover_games(data_root, a.split, a.task_types, seed=a.seed)
@@ -417,7 +420,7 @@ def trl_worker(conn, args: Args, cores: list[int] | None) -> None:
     )
     end_reply = "~" * (settings["max_completion_length"] + 1)  # one token a character: cheap to render
     environment = functools.partial(AlfworldEnvironment, protocol, a.max_turns, end_reply)
-    common.check(
+    harness.require_all(
         (get_json_schema(environment().alfworld_step) == common.ALFWORLD_TOOL, "trl_peer: the tool schemas differ"),
         (len(protocol.encode(end_reply)) > settings["max_completion_length"], "trl_peer: the end reply is too short"),
     )
@@ -535,7 +538,7 @@ def versions() -> dict:
 
 
 def main(args: Args) -> dict:
-    common.check(
+    harness.require_all(
         (args.num_updates >= 1, "--num-updates must be >= 1"),
         *((value is None or value >= 1, f"--{name} must be >= 1") for name, value in (
             ("groups-per-update", args.groups_per_update), ("group-size", args.group_size),
@@ -552,7 +555,7 @@ def main(args: Args) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     a = script_args(args)
-    model = common.resolve_model(a.model)  # a tiny agent and its games are made (once) here, not by both workers
+    model = samplers.resolve_model(a.model)  # a tiny agent and its games are made (once) here, not by both workers
     common.resolve_data_root(a.data_root, a.model)
     with contextlib.ExitStack() as stack:
         server, trainer_cores = None, None
