@@ -1,6 +1,7 @@
-"""How the algorithm scripts are laid out: each holds its algorithm and imports only `common`, which holds what every
-algorithm would copy unchanged; the places a fork changes are marked the same way in every script; the shared flags
-are declared once, in harness.SharedArgs (and PPOArgs), which every Args extends."""
+"""How the project is laid out: the shared code in layer files, each with one job and importing only the layers below
+it; each algorithm script holds its algorithm and imports only those layers; the places a fork changes are marked the
+same way in every script; the shared flags are declared once, in harness.SharedArgs (and PPOArgs), which every Args
+extends."""
 
 import ast
 import dataclasses
@@ -11,7 +12,6 @@ from pathlib import Path
 import pytest
 from algorithm_scripts import MODULES, NAMES
 
-import common
 import harness
 import training
 
@@ -20,7 +20,19 @@ SCRIPTS = [f"{name}.py" for name in NAMES]  # found by algorithm_scripts.py
 PROJECT_MODULES = {p.stem for p in ROOT.glob("*.py")} | {"benchmarks", "tests"}
 FORK_MARK = re.compile(r"^# fork (\d): (.*)$", re.M)
 MAX_UPDATE_LINES = 70  # an update function read in one screen
-MAX_SHARED_RUN = 25  # identical lines in a row that two scripts may share (more belongs in common.py)
+MAX_LINES = 1500  # every file of the project: a layer that outgrows it is two layers
+# The shared code, bottom layer first, and each file's job (the first line of its docstring). A file imports only the
+# files before it (offline.py none of them); a block that two scripts share goes to the lowest layer it can live in:
+# common.py if it needs only games, envs and rollouts, samplers.py if it needs the model, training.py if it trains,
+# harness.py if it is part of the job around the update loop.
+LAYERS = {
+    "offline.py": "Offline stand-ins for what this machine cannot download, under common.py (it imports no module of this project):",
+    "common.py": "The env/replay helper every algorithm shares: ALFWorld games, the fast env, saved states, the chat protocol, rollouts.",
+    "samplers.py": "The policy and its samplers: resolve_model, load_model (LoRA), generate() in this process or a vLLM server (SampleFn).",
+    "training.py": "The training step: teacher-forced logprobs, Datum, train_step(rt, datums, loss_fn), PPO-clip, metrics over processes.",
+    "harness.py": "The job around a script's update loop: flags, start-up checks, Runtime, Run, evaluation, logging, checkpoints, cli.",
+}
+MAX_SHARED_RUN = 25  # identical lines in a row that two scripts may share (more goes to a layer, as LAYERS says)
 
 
 def test_the_algorithm_scripts_are_found():
@@ -40,12 +52,13 @@ def test_longest_identical_run_counts_lines_in_a_row():
 @pytest.mark.parametrize("pair", [(a, b) for i, a in enumerate(SCRIPTS) for b in SCRIPTS[i + 1 :]])
 def test_no_long_run_of_identical_lines_between_scripts(pair):
     first, second = ((ROOT / name).read_text().splitlines() for name in pair)
-    assert longest_identical_run(first, second) <= MAX_SHARED_RUN
+    assert longest_identical_run(first, second) <= MAX_SHARED_RUN, "move the shared block to a layer (see LAYERS)"
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
-def test_a_script_imports_no_project_module_but_common(name):
-    assert project_imports(ROOT / name) == {"common"}
+def test_a_script_imports_no_project_module_but_the_shared_layers(name):
+    assert project_imports(ROOT / name) <= {"common", "samplers", "training", "harness"}
+    assert "harness" in project_imports(ROOT / name)
 
 
 def project_imports(path: Path) -> set[str]:
@@ -60,12 +73,39 @@ def project_imports(path: Path) -> set[str]:
 
 
 def test_the_layers_import_only_downwards():
-    """offline.py (games and models made offline) imports no module of this project, common.py only offline.py;
-    sft.py and plot.py sit beside the scripts; benchmarks/ on top."""
-    assert project_imports(ROOT / "offline.py") == set()
+    """Each layer file imports only the files before it in LAYERS (a lazy import inside a function counts: it would
+    be a cycle all the same); sft.py and plot.py sit beside the scripts; benchmarks/ on top."""
+    order = [name.removesuffix(".py") for name in LAYERS]
+    for i, name in enumerate(LAYERS):
+        assert project_imports(ROOT / name) <= set(order[:i]), f"{name} imports a layer above it"
     assert project_imports(ROOT / "common.py") == {"offline"}
     for path in (ROOT / "benchmarks").rglob("*.py"):
         assert "tests" not in project_imports(path), path
+
+
+def test_project_imports_counts_the_imports_inside_functions(tmp_path):
+    path = tmp_path / "lazy.py"
+    path.write_text("import json\n\n\ndef f():\n    from harness import cli\n    import training.x\n")
+    assert project_imports(path) == {"harness", "training"}
+
+
+@pytest.mark.parametrize("name", LAYERS)
+def test_every_layer_states_its_job_in_its_first_line(name):
+    (first, *_) = ast.get_docstring(ast.parse((ROOT / name).read_text())).splitlines()
+    assert first == LAYERS[name]
+
+
+def test_every_top_level_module_is_a_layer_or_beside_the_scripts():
+    """A new shared file joins LAYERS (and pyproject.toml's py-modules, which an install needs)."""
+    beside = {f"{name}.py" for name in ("sft", "plot", *NAMES)}
+    assert {p.name for p in ROOT.glob("*.py")} == set(LAYERS) | beside
+    modules = re.search(r"^py-modules = \[(.*)\]$", (ROOT / "pyproject.toml").read_text(), re.M).group(1)
+    assert {name.strip(' "') for name in modules.split(",")} >= {name.removesuffix(".py") for name in LAYERS}
+
+
+def test_no_file_of_the_project_is_over_the_bound():
+    files = [*ROOT.glob("*.py"), *(ROOT / "tests").rglob("*.py"), *(ROOT / "benchmarks").rglob("*.py")]
+    assert {p.relative_to(ROOT).as_posix(): n for p in files if (n := len(p.read_text().splitlines())) > MAX_LINES} == {}
 
 
 def fork_marks(name: str) -> list[tuple[int, str]]:
@@ -146,22 +186,22 @@ def args_fields(tree: ast.Module, class_name: str) -> dict[str, tuple[str, str]]
     }
 
 
-def flags_common_reads() -> set[str]:
-    """Every `args.<name>` (also `rt.args.<name>`, `self.args.<name>`) that common.py reads."""
+def flags_the_layers_read() -> set[str]:
+    """Every `args.<name>` (also `rt.args.<name>`, `self.args.<name>`) that the shared layers read."""
 
     def is_args(node) -> bool:
         return (isinstance(node, ast.Name) and node.id == "args") or (
             isinstance(node, ast.Attribute) and node.attr == "args"
         )
 
-    tree = ast.parse((ROOT / "common.py").read_text())
-    return {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute) and is_args(node.value)}
+    trees = [ast.parse((ROOT / name).read_text()) for name in LAYERS]
+    return {node.attr for tree in trees for node in ast.walk(tree) if isinstance(node, ast.Attribute) and is_args(node.value)}
 
 
-def test_every_flag_common_reads_is_declared_once_in_common():
+def test_every_flag_the_layers_read_is_declared_once_in_the_harness():
     shared = {field.name for field in dataclasses.fields(harness.PPOArgs)}  # SharedArgs' and PPOArgs' own
-    assert {"model", "learning_rate", "sampler_url", "eval_only", "max_turn_tokens", "clip_eps"} <= flags_common_reads()
-    assert flags_common_reads() <= shared
+    assert {"model", "learning_rate", "sampler_url", "eval_only", "max_turn_tokens", "clip_eps"} <= flags_the_layers_read()
+    assert flags_the_layers_read() <= shared
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
@@ -170,15 +210,15 @@ def test_a_script_declares_only_its_algorithm_flags(name):
     with the same type (exp_name: the script's ALGORITHM)."""
     module = MODULES[name.removesuffix(".py")]
     assert issubclass(module.Args, harness.SharedArgs)
-    common_tree = ast.parse((ROOT / "common.py").read_text())
-    shared = args_fields(common_tree, "SharedArgs") | args_fields(common_tree, "PPOArgs")
+    harness_tree = ast.parse((ROOT / "harness.py").read_text())
+    shared = args_fields(harness_tree, "SharedArgs") | args_fields(harness_tree, "PPOArgs")
     if not issubclass(module.Args, harness.PPOArgs):
-        shared = args_fields(common_tree, "SharedArgs")
+        shared = args_fields(harness_tree, "SharedArgs")
     fields = args_fields(ast.parse((ROOT / name).read_text()), "Args")
     assert fields["exp_name"] == ("str", "ALGORITHM") and module.Args().exp_name == module.ALGORITHM
     for field in sorted(set(fields) & set(shared)):
         assert fields[field][0] == shared[field][0] and fields[field][1] != shared[field][1], (
-            f"{name} declares the shared flag {field} as common.py does: leave it to common.py"
+            f"{name} declares the shared flag {field} as harness.py does: leave it to harness.py"
         )
 
 

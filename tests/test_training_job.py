@@ -233,7 +233,7 @@ def test_a_count_metric_says_so_and_an_int_metric_is_refused():
     merged = training.reduce_metrics(accelerator, {"x/requests": training.SummedMetric(3), "x/rate": 0.5, "x/peak": training.MaxMetric(2)})
     assert merged == {"x/requests": 3.0, "x/rate": 0.5, "x/peak": 2.0}
     for value in (3, True):
-        with pytest.raises(TypeError, match="metric x/requests is an int: make it Count"):
+        with pytest.raises(TypeError, match="metric x/requests is an int: make it SummedMetric"):
             training.reduce_metrics(accelerator, {"x/requests": value})
 
 
