@@ -1,4 +1,4 @@
-"""TEMPO: macro-step policy optimization for long-horizon LLM agents in ALFWorld (CleanRL style, one file).
+"""TEMPO: macro-step policy optimization for long-horizon LLM agents in ALFWorld (CleanRL style).
 
 One LoRA policy plays two roles. As the ACTOR it plays the game through tool calls. As the CRITIC it reads
 the task, the actor's replies so far with the game's answers, and the game's walkthrough (privileged: never in

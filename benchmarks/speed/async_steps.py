@@ -79,7 +79,7 @@ def main():
                     print(f"repeat {repeat + 1}, K = {steps}: {[round(wall(row), 1) for row in rows[1:]]} s/update")
     base = statistics.median(wall(row) for row in per_arm[0])
     sampling = statistics.median(row["time/rollout"] for row in per_arm[0])
-    training = statistics.median(wall(row) - row["time/rollout"] for row in per_arm[0])
+    training_s = statistics.median(wall(row) - row["time/rollout"] for row in per_arm[0])
     print(f"\nupdates 2-{args.num_updates} of {args.repeats} run(s) per arm: median (min-max)\n")
     print("| --async-steps | wall s / update | waiting for the rollout s | training s | K = 0 / K |")
     print("|---|---|---|---|---|")
@@ -90,8 +90,8 @@ def main():
             f"{spread([wall(row) - row['time/rollout'] for row in rows])} | {base / statistics.median(walls):.2f}x |"
         )
     print(
-        f"\nceiling (K = 0: sampling {sampling:.1f} s, training {training:.1f} s): "
-        f"{(sampling + training) / max(sampling, training):.2f}x"
+        f"\nceiling (K = 0: sampling {sampling:.1f} s, training {training_s:.1f} s): "
+        f"{(sampling + training_s) / max(sampling, training_s):.2f}x"
     )
     staleness = {steps: max(row["rollout/staleness_max"] for row in rows) for steps, rows in per_arm.items() if steps}
     print(f"largest rollout/staleness_max per K: {staleness}")

@@ -102,7 +102,7 @@ def main():
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     accelerator = harness.make_accelerator()
-    samplers = {
+    sample_fns = {
         name: samplers.make_sampler(model, tokenizer, accelerator, tempo.Args(kv_cache_mb=mb))
         for name, mb in (("reuse", tempo.Args.kv_cache_mb), ("re-prefill", 0))
     }
@@ -110,9 +110,9 @@ def main():
         f"learning benchmark model ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M), {args.branches} "
         f"prompts x <= {args.max_turn_tokens} new tokens, {torch.get_num_threads()} thread(s)"
     )
-    turn = {name: [] for name in samplers}
+    turn = {name: [] for name in sample_fns}
     for history in args.histories:
-        timings = sampling_turn(samplers, history, args.branches, args.max_turn_tokens, len(tokenizer))
+        timings = sampling_turn(sample_fns, history, args.branches, args.max_turn_tokens, len(tokenizer))
         for name, (seconds, generated) in timings.items():
             turn[name].append(seconds)
             print(f"  turn at a {history:5d}-token history, {name:10s}: {seconds:6.2f} s ({generated} new tokens)")
@@ -126,7 +126,7 @@ def main():
     protocol = common.ChatProtocol(tokenizer)
     state = common.game_start(game_file, protocol)
     totals = {}
-    for name, sample_fn in samplers.items():
+    for name, sample_fn in sample_fns.items():
         clock = {"sampling": 0.0}
         torch.manual_seed(0)
         start = time.perf_counter()
@@ -149,7 +149,7 @@ def main():
     print(f"  reuse is {totals['re-prefill'] / totals['reuse']:.1f}x faster end to end")
 
 
-def sampling_turn(samplers: dict, history: int, rows: int, max_new_tokens: int, vocab: int) -> dict:
+def sampling_turn(sample_fns: dict, history: int, rows: int, max_new_tokens: int, vocab: int) -> dict:
     """Per sampler, (seconds, new tokens) of one call whose prompts are `history` tokens long and extend the sequences
     of a call before (its prompt + reply + observation tokens), as a rollout turn's do; random ids, the same prompts
     for every sampler (the call before is made once, through the reuse sampler, which keeps its caches)."""
@@ -157,10 +157,10 @@ def sampling_turn(samplers: dict, history: int, rows: int, max_new_tokens: int, 
     ids = lambda n: torch.randint(100, vocab, (n,), generator=generator).tolist()  # noqa: E731
     earlier = [ids(history - max_new_tokens - 64) for _ in range(rows)]
     torch.manual_seed(0)
-    replies = samplers["reuse"](earlier, max_new_tokens)
+    replies = sample_fns["reuse"](earlier, max_new_tokens)
     prompts = [p + r.tokens + ids(history - len(p) - len(r.tokens)) for p, r in zip(earlier, replies)]
     timings = {}
-    for name, sample_fn in samplers.items():
+    for name, sample_fn in sample_fns.items():
         torch.manual_seed(1)
         start = time.perf_counter()
         completions = sample_fn(prompts, max_new_tokens)

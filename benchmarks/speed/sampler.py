@@ -94,26 +94,26 @@ def main():
         generate_args = tempo.Args(**settings)
         tokenizer, model, _ = samplers.load_model(generate_args, accelerator)
         vocab = len(tokenizer)
-        samplers = {
+        sample_fns = {
             "generate (KV reuse)": samplers.make_sampler(model, tokenizer, accelerator, generate_args),
             "vllm server": samplers.make_sampler(
                 model, tokenizer, accelerator, tempo.Args(**settings, sampler="vllm", sampler_url=url)
             ),
         }
-        samplers["vllm server"]([[100] * 8], 4)  # the server's first request pays a one-off warm-up
+        sample_fns["vllm server"]([[100] * 8], 4)  # the server's first request pays a one-off warm-up
         print(
             f"{args.model} on {accelerator.device}, {torch.get_num_threads()} thread(s) here; 1. rollout: "
             f"{args.branches} branches x {args.turns} turns x <= {args.turn_tokens} new tokens, prompt "
             f"{args.prompt_tokens} + {args.observation_tokens} per turn"
         )
-        for name, sample_fn in samplers.items():
+        for name, sample_fn in sample_fns.items():
             result = rollout(sample_fn, vocab, args)
             print(
                 f"  {name:20s} "
                 + "  ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in result.items())
             )
         print(f"2. one sampling turn of {args.branches} prompts x <= {args.turn_tokens} new tokens vs history")
-        for name, sample_fn in samplers.items():
+        for name, sample_fn in sample_fns.items():
             times = []
             for history in args.histories:
                 seconds, generated = sampling_turn(sample_fn, history, args.branches, args.turn_tokens, vocab)
