@@ -1,4 +1,4 @@
-"""The env/replay helper every algorithm shares: ALFWorld games, the fast env, saved states, the chat protocol, rollouts.
+"""The env/replay helper: ALFWorld games, the fast env, saved states and replay restore, the chat protocol, rollouts.
 
 Sections, in the order a reader needs them (search for the section's title):
   Games                      discovery in ALFWorld's layout, walkthroughs, the run's game set (resolve_data_root)

@@ -66,6 +66,7 @@ def validate_args(args: Args) -> None:
 # =============================================================================================
 # GiGPO advantages (update steps 2-4): episode groups, step groups by anchor, A = A_E + w * A_S
 # =============================================================================================
+# Equation numbers are the GiGPO paper's (arXiv 2505.10978), as verl-agent's gigpo/core_gigpo.py cites them.
 def discounted_returns(rewards: Sequence[float], gamma: float) -> list[float]:
     """R_t = r_t + gamma * R_{t+1}, nothing after the last step: [0, 0, 1] at gamma 0.5 -> [0.25, 0.5, 1]."""
     returns, running = [0.0] * len(rewards), 0.0
@@ -133,14 +134,15 @@ def gigpo_advantages(
     )
     rows = [(i, t) for i, rewards in enumerate(step_rewards) for t in range(len(rewards))]
     scores = [episode_scores[i] - penalties[i][t] for i, t in rows]
-    returns = [discounted_returns(rewards, gamma) for rewards in step_rewards]
+    returns = [discounted_returns(rewards, gamma) for rewards in step_rewards]  # Eq. 5
     step_returns = [returns[i][t] - penalties[i][t] for i, t in rows]
-    keys = step_group_keys(episode_groups, anchors)
+    keys = step_group_keys(episode_groups, anchors)  # Eq. 6: the step groups
+    # Eq. 3: A_E, the episode relative advantage; Eq. 7: A_S, the step relative advantage
     episode_part = relative_to_group(scores, [episode_groups[i] for i, _ in rows], normalize_std, alone_mean_zero=True)
     step_part = relative_to_group(step_returns, [keys[i][t] for i, t in rows], normalize_std, alone_mean_zero=False)
     advantages = [[0.0] * len(rewards) for rewards in step_rewards]
     for (i, t), a_e, a_s in zip(rows, episode_part, step_part):
-        advantages[i][t] = a_e + step_weight * a_s
+        advantages[i][t] = a_e + step_weight * a_s  # Eq. 8
     return advantages
 
 
@@ -201,11 +203,11 @@ def gigpo_update(rt: Runtime) -> tuple[dict, list[dict]]:
     penalties = [[args.invalid_action_penalty * (not step.valid) for step in traj.steps] for traj in trajectories]
     scores = [traj.reward for traj in trajectories]
 
-    # ---- step 3: the anchor of every step: the exact engine state it was taken from, or its observation text
+    # ---- step 3: the anchor of every step: the exact engine state it was taken from, or its observation text (Eq. 6)
     anchors = [step_anchors(traj, args.anchor) for traj in trajectories]
     groups_by_anchor = step_groups(trajectories, anchors)
 
-    # ---- step 4: A = A_E (within the episode group) + w * A_S (within the step group), per step
+    # ---- step 4: A = A_E (within the episode group) + w * A_S (within the step group), per step (Eqs. 3, 7, 8)
     advantages = gigpo_advantages(
         scores,
         [traj.group for traj in trajectories],

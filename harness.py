@@ -1070,7 +1070,8 @@ def save_checkpoint(
     saved = optimizer.state_dict()  # --fsdp: every process gathers the shards (a collective), the main one writes
     saved["state"] = {i: {k: full_tensor_on_cpu(v) for k, v in state.items()} for i, state in saved["state"].items()}
     head_weights = {k: v.detach().cpu().contiguous() for k, v in (heads.state_dict() if heads else {}).items()}
-    checksums = {"adapter_sha256": checksum} | ({"heads_sha256": samplers.adapter_sha256(head_weights)} if head_weights else {})
+    heads_checksum = {"heads_sha256": samplers.adapter_sha256(head_weights)} if head_weights else {}
+    checksums = {"adapter_sha256": checksum} | heads_checksum
     per_rank = [{"state": rank_state, "rng": _rng_state(), **checksums}]
     per_rank = gather_object(per_rank) if accelerator.num_processes > 1 else per_rank
     for key, what in (("adapter_sha256", "adapter"), ("heads_sha256", "heads")):
@@ -1322,7 +1323,9 @@ def renamed_flags(values: dict, source: str, note: bool = True) -> dict:
     for key, value in values.items():
         if key in REMOVED_FLAGS:
             default, commit = REMOVED_FLAGS[key]
-            require_all((value == default, f"{source}: {key} = {value!r} is no longer a flag; that run needs commit {commit}"))
+            require_all(
+                (value == default, f"{source}: {key} = {value!r} is no longer a flag; that run needs commit {commit}")
+            )
             notes.append(f"{key} dropped (removed; it held its only value, {default!r})")
             continue
         new = RENAMED_FLAGS.get(key)

@@ -1,4 +1,4 @@
-"""The policy and its samplers: resolve_model, load_model (LoRA), generate() in this process or a vLLM server (SampleFn).
+"""The policy and its samplers: load_model (LoRA), generate() in this process or a vLLM server, each a SampleFn.
 
 Sections: Model and samplers (load_tokenizer, chat_protocol, load_model, sharding, GenerateSampler, ServerSampler),
 then Adapter weights (what training changes, its checksum, the adapter directory a vLLM server loads). Imports
@@ -587,7 +587,9 @@ class ServerSampler:
         if adapter not in {card["id"] for card in self._served_models()}:
             self._load_adapter(adapter)
 
-    async def _complete_all(self, prompts: list[list[int]], max_new_tokens: int, adapter: str) -> list[common.Completion]:
+    async def _complete_all(
+        self, prompts: list[list[int]], max_new_tokens: int, adapter: str
+    ) -> list[common.Completion]:
         """One burst with adapter `adapter`: at most --sampler-concurrency requests in flight, all answered by
         --sampler-deadline-s. openai's client retries lost connections, timeouts, 408/409/429 and 5xx answers with
         exponential backoff (until the deadline: max_retries is its own cap); a request the server refuses (another

@@ -327,7 +327,9 @@ class StateStore:
 def critic_datum(prompt: list[int], reply: common.Completion, advantage: float) -> training.Datum:
     """Critic prompt as context, the whole reply trained."""
     context, n = [0.0] * len(prompt), len(reply.tokens)
-    return training.Datum(prompt + reply.tokens, context + reply.logprobs, context + [advantage] * n, context + [1.0] * n)
+    return training.Datum(
+        prompt + reply.tokens, context + reply.logprobs, context + [advantage] * n, context + [1.0] * n
+    )
 
 
 def score_critic(prompts, replies, targets: Sequence[float], r_max: float, squared=False):

@@ -1,4 +1,4 @@
-"""The training step: teacher-forced logprobs, Datum, train_step(rt, datums, loss_fn), PPO-clip, metrics over processes.
+"""The training step: teacher-forced logprobs, Datum, train_step, PPO-clip, the metrics reduced over processes.
 
 Sections: Training step (token_budget_batches, teacher_forced, Datum, trajectory_datums, train_step, ppo_clip_loss,
 ppo_update, rollout and group metrics, SummedMetric / MaxMetric and reduce_metrics). `rt` is the script's Runtime
@@ -524,14 +524,16 @@ class MaxMetric(float):
 
 
 def reduce_metrics(accelerator, metrics: dict) -> dict:
-    """Metrics of all processes: a SummedMetric is summed, a MaxMetric is the largest, everything else averaged over the processes
-    that report it. An int (or bool) metric is refused: a count must say that it is one, or it would be averaged
-    silently."""
+    """Metrics of all processes: a SummedMetric is summed, a MaxMetric is the largest, everything else averaged over
+    the processes that report it. An int (or bool) metric is refused: a count must say that it is one, or it would be
+    averaged silently."""
     from accelerate.utils import gather_object
 
     for key, value in metrics.items():
         if isinstance(value, int):
-            raise TypeError(f"metric {key} is an int: make it SummedMetric(...) (summed over processes) or a float (averaged)")
+            raise TypeError(
+                f"metric {key} is an int: make it SummedMetric(...) (summed over processes) or a float (averaged)"
+            )
     per_rank = gather_object([metrics]) if accelerator.num_processes > 1 else [metrics]
     merged = {}
     for key in dict.fromkeys(k for m in per_rank for k in m):

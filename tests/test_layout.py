@@ -26,11 +26,21 @@ MAX_LINES = 1500  # every file of the project: a layer that outgrows it is two l
 # common.py if it needs only games, envs and rollouts, samplers.py if it needs the model, training.py if it trains,
 # harness.py if it is part of the job around the update loop.
 LAYERS = {
-    "offline.py": "Offline stand-ins for what this machine cannot download, under common.py (it imports no module of this project):",
-    "common.py": "The env/replay helper every algorithm shares: ALFWorld games, the fast env, saved states, the chat protocol, rollouts.",
-    "samplers.py": "The policy and its samplers: resolve_model, load_model (LoRA), generate() in this process or a vLLM server (SampleFn).",
-    "training.py": "The training step: teacher-forced logprobs, Datum, train_step(rt, datums, loss_fn), PPO-clip, metrics over processes.",
-    "harness.py": "The job around a script's update loop: flags, start-up checks, Runtime, Run, evaluation, logging, checkpoints, cli.",
+    "offline.py": (
+        "Offline stand-ins for what this machine cannot download, under common.py (it imports no module of this project):"
+    ),
+    "common.py": (
+        "The env/replay helper: ALFWorld games, the fast env, saved states and replay restore, the chat protocol, rollouts."
+    ),
+    "samplers.py": (
+        "The policy and its samplers: load_model (LoRA), generate() in this process or a vLLM server, each a SampleFn."
+    ),
+    "training.py": (
+        "The training step: teacher-forced logprobs, Datum, train_step, PPO-clip, the metrics reduced over processes."
+    ),
+    "harness.py": (
+        "The job around a script's update loop: flags, start-up checks, Runtime, Run, evaluation, logging, checkpoints, cli."
+    ),
 }
 MAX_SHARED_RUN = 25  # identical lines in a row that two scripts may share (more goes to a layer, as LAYERS says)
 
@@ -105,7 +115,8 @@ def test_every_top_level_module_is_a_layer_or_beside_the_scripts():
 
 def test_no_file_of_the_project_is_over_the_bound():
     files = [*ROOT.glob("*.py"), *(ROOT / "tests").rglob("*.py"), *(ROOT / "benchmarks").rglob("*.py")]
-    assert {p.relative_to(ROOT).as_posix(): n for p in files if (n := len(p.read_text().splitlines())) > MAX_LINES} == {}
+    lengths = {p.relative_to(ROOT).as_posix(): len(p.read_text().splitlines()) for p in files}
+    assert {name: n for name, n in lengths.items() if n > MAX_LINES} == {}
 
 
 def fork_marks(name: str) -> list[tuple[int, str]]:
@@ -195,13 +206,15 @@ def flags_the_layers_read() -> set[str]:
         )
 
     trees = [ast.parse((ROOT / name).read_text()) for name in LAYERS]
-    return {node.attr for tree in trees for node in ast.walk(tree) if isinstance(node, ast.Attribute) and is_args(node.value)}
+    nodes = [node for tree in trees for node in ast.walk(tree)]
+    return {node.attr for node in nodes if isinstance(node, ast.Attribute) and is_args(node.value)}
 
 
 def test_every_flag_the_layers_read_is_declared_once_in_the_harness():
     shared = {field.name for field in dataclasses.fields(harness.PPOArgs)}  # SharedArgs' and PPOArgs' own
-    assert {"model", "learning_rate", "sampler_url", "eval_only", "max_turn_tokens", "clip_eps"} <= flags_the_layers_read()
-    assert flags_the_layers_read() <= shared
+    read = flags_the_layers_read()
+    assert {"model", "learning_rate", "sampler_url", "eval_only", "max_turn_tokens", "clip_eps"} <= read
+    assert read <= shared
 
 
 @pytest.mark.parametrize("name", SCRIPTS)

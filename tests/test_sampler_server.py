@@ -43,7 +43,8 @@ def chat_prompts(tokenizer, n: int) -> list[list[int]]:
 def test_one_turn_is_one_bounded_burst_of_concurrent_requests(tiny_model_dir, trainer):
     args, accelerator, tokenizer, model = trainer
     with TinyVllmServer(tiny_model_dir, delay_s=0.2) as slow:
-        sampler = samplers.make_sampler(model, tokenizer, accelerator, server_args(args, slow.url, sampler_concurrency=3))
+        slow_args = server_args(args, slow.url, sampler_concurrency=3)
+        sampler = samplers.make_sampler(model, tokenizer, accelerator, slow_args)
         start = time.monotonic()
         assert len(sampler(chat_prompts(tokenizer, 6), 4)) == 6
         assert slow.max_in_flight == 3 and time.monotonic() - start < 6 * 0.2 + 1.0

@@ -230,7 +230,8 @@ def test_a_count_metric_says_so_and_an_int_metric_is_refused():
     """Counts are summed over the processes, maxima the largest, everything else averaged (the 2-process runs below
     check the sums); a bare int could be either, so it fails loudly instead of being averaged."""
     accelerator = harness.make_accelerator()
-    merged = training.reduce_metrics(accelerator, {"x/requests": training.SummedMetric(3), "x/rate": 0.5, "x/peak": training.MaxMetric(2)})
+    metrics = {"x/requests": training.SummedMetric(3), "x/rate": 0.5, "x/peak": training.MaxMetric(2)}
+    merged = training.reduce_metrics(accelerator, metrics)
     assert merged == {"x/requests": 3.0, "x/rate": 0.5, "x/peak": 2.0}
     for value in (3, True):
         with pytest.raises(TypeError, match="metric x/requests is an int: make it SummedMetric"):
@@ -341,7 +342,8 @@ def test_checkpoint_round_trip_continues_exactly(name, lora_rank, games_root, ti
     for key, value in weights.items():
         torch.testing.assert_close(trainable(resumed)[key], value, rtol=0, atol=0)
     saved = load_file(checkpoint / harness.weights_file(lora=lora_rank > 0))
-    assert json.loads((checkpoint / "trainer_state.json").read_text())["adapter_sha256"] == samplers.adapter_sha256(saved)
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    assert state["adapter_sha256"] == samplers.adapter_sha256(saved)
     harness.check_checkpoint(checkpoint, args, name, "--resume", 1)
     with pytest.raises(ValueError, match="--lora-rank .* does not match the checkpoint"):
         harness.check_checkpoint(checkpoint, dataclasses.replace(args, lora_rank=4 - lora_rank), name, "--resume", 1)

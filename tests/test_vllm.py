@@ -283,7 +283,7 @@ def test_a_server_killed_and_restarted_mid_run_the_run_continues(vllm, tmp_path)
     """SIGKILL of the server (and its EngineCore / Worker children) once update 1 is logged, then a restart on the same
     port: the run waits (control routes and completions retried within --sampler-deadline-s), loads its adapter into
     the restarted server and ends normally, every update on the served copy of its weights."""
-    script = "gigpo"  # any script: the sampler is common.py's; this one's updates are the shortest
+    script = "gigpo"  # any script: the sampler is samplers.py's; this one's updates are the shortest
     settings = {**short(algorithm_scripts.MODULES[script]), "output_dir": tmp_path, "sampler": "vllm",
                 "sampler_url": vllm.url, "sampler_deadline_s": 600}  # fmt: skip
     flags = [f"--{key.replace('_', '-')}={value}" for key, value in settings.items()]

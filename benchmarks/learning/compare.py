@@ -169,7 +169,8 @@ class Evaluator:
         sampling, cap = dataclasses.replace(self.recipe, temperature=1.0, top_p=1.0), self.recipe.max_turns
         result = {}
         for mode, branches in (("sampled", episodes), ("greedy", 1)):
-            sample_fn = samplers.make_sampler(model, self.tokenizer, self.accelerator, sampling, greedy=mode == "greedy")
+            greedy = mode == "greedy"
+            sample_fn = samplers.make_sampler(model, self.tokenizer, self.accelerator, sampling, greedy=greedy)
             starts = [common.game_start(game, self.protocol) for game in self.games]
             with harness.seeded_sampling(harness.EVAL_SEED):  # common random numbers: the same for every checkpoint
                 groups = common.rollout(

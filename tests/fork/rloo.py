@@ -33,7 +33,9 @@ class Args(harness.PPOArgs):
 
 def validate_args(args: Args) -> None:
     harness.validate_ppo_args(args)
-    harness.require_all((args.group_size >= 2, f"--group-size must be >= 2 (RLOO compares in a group), got {args.group_size}"))
+    harness.require_all(
+        (args.group_size >= 2, f"--group-size must be >= 2 (RLOO compares in a group), got {args.group_size}")
+    )
 
 
 # fork 3: the algorithm's signals and prompts: functions of trajectories, replies and flags (no Runtime)
