@@ -1,8 +1,8 @@
 """The env/replay helper: ALFWorld games, the fast env, saved states and replay restore, the chat protocol, rollouts.
 
 Sections, in the order a reader needs them (search for the section's title):
-  Games                      discovery in ALFWorld's layout, walkthroughs, the run's game set (resolve_data_root)
-  Safe evaluation of grammar expressions
+  Games                      discovery in ALFWorld's layout, walkthroughs, the games without --data-root
+                             (resolve_data_root), safe grammar evaluation
   Fast ALFWorld environment  parsed and translated once per process; snapshots and replay restore
   Saved states, env groups   SavedState (a mid-episode state), EnvGroup (N branches from one state)
   Chat protocol              token-in, token-out prompts, append-only across turns

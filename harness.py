@@ -1397,6 +1397,9 @@ def close_distributed() -> None:
         torch.distributed.destroy_process_group()
 
 
+# =============================================================================================
+# The presets' shared settings (the tiny agents of offline.py)
+# =============================================================================================
 # The CPU learning benchmarks' settings every script shares: its `learning` / `learning-long` presets add the rest
 LEARNING_SETTINGS = {
     name: dict(
