@@ -115,6 +115,10 @@ class SharedArgs:
     """token budget of one forward/backward micro-batch (rows x padded length); gradients accumulate"""
     sample_batch_size: int = 32
     """prompts per generate() call"""
+    dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    """the weights' dtype (auto: bfloat16 on CUDA, float32 elsewhere); the loss's logprobs are float32 either way"""
+    gradient_checkpointing: Literal["auto", "on", "off"] = "auto"
+    """recompute activations in the backward pass instead of keeping them (auto: on with CUDA, off elsewhere)"""
     fsdp: bool = False
     """shard the weights, gradients and AdamW state over the processes (PyTorch FSDP2, 2+ processes); the weights are
     gathered whole on every process between updates, for sampling (docs/training-jobs.md: Sharding)"""
@@ -160,15 +164,20 @@ class SharedArgs:
     config: str = ""
     """a JSON or YAML file of flag values that become the defaults (a run's config.json reruns it); flags override it"""
     # ---- sampler ----
-    sampler: Literal["generate", "vllm"] = "generate"
-    """generate: model.generate() in the training process; vllm: a vLLM server you start (README: Sampling through vLLM)"""
+    sampler: Literal["auto", "generate", "vllm-colocate", "vllm"] = "auto"
+    """auto: vllm-colocate where CUDA and vLLM are, else generate; generate: model.generate() in the training process;
+    vllm-colocate: a vLLM engine in the training process; vllm: a vLLM server you start (docs/vllm.md)"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """--sampler vllm-colocate on CUDA: the fraction of the GPU's whole memory the engine takes (weights and KV cache)
+    while it samples; it sleeps while training"""
     kv_cache_mb: int = 8192
     """--sampler generate: MB of KV caches kept between a branch's turns, so that a turn prefills only the tokens added
     since the last (a branch past the budget re-prefills its history; 0 = every turn re-prefills)"""
     sampler_url: str = ""
     """with --sampler vllm: the server's OpenAI API root, e.g. http://localhost:8000/v1"""
     sampler_adapter_dir: str = ""
-    """where the adapter is saved for the server to load after each update ("" = {output_dir}/sampler_adapters)"""
+    """where the adapter (vllm-colocate, full weights: the model) is saved for vLLM to load after each update
+    ("" = {output_dir}/sampler_adapters)"""
     sampler_concurrency: int = 64
     """completion requests in flight per process"""
     sampler_timeout_s: float = 600.0
@@ -176,7 +185,7 @@ class SharedArgs:
     sampler_deadline_s: float = 1800.0
     """one turn's burst of requests, retries included, must finish by then or the update fails"""
     recompute_logprobs: bool = True
-    """with --sampler vllm: the loss's old logprobs come from a trainer forward pass, not from the server"""
+    """with a vLLM sampler (vllm, vllm-colocate): the loss's old logprobs come from a trainer forward pass, not vLLM"""
     async_steps: int = 0
     """K: with --sampler vllm, a background thread samples the next updates' rollouts through the server while the
     current update trains; no datum trains on weights more than K updates newer than the adapter that sampled it
@@ -244,22 +253,33 @@ def validate_model_args(args) -> None:
         (not (args.resume and args.eval_only), "--resume and --eval-only cannot be combined"),
         (not args.eval_only or args.eval_games >= 1, "--eval-only needs --eval-games >= 1"),
         (
-            args.sampler == "generate" or args.sampler_url.startswith(("http://", "https://")),
+            args.sampler != "vllm" or args.sampler_url.startswith(("http://", "https://")),
             f"--sampler vllm needs --sampler-url http://HOST:PORT/v1, got {args.sampler_url!r}",
         ),
         (
-            args.sampler == "generate" or args.lora_rank > 0,
+            args.sampler != "vllm" or args.lora_rank > 0,
             "--sampler vllm needs a LoRA adapter (--lora-rank >= 1): pushing full weights to the server is not "
             "implemented",
         ),
         (
             args.sampler == "vllm" or not args.sampler_url,
-            "--sampler-url is only used with --sampler vllm (the default sampler is generate)",
+            "--sampler-url is only used with --sampler vllm (the server; the default, auto, samples in this process)",
         ),
         (
             args.sampler == "vllm" or args.async_steps == 0,
-            "--async-steps needs --sampler vllm: generate() runs in the training process, on the weights being "
-            "trained and on the cores training uses, so there is nothing to overlap it with",
+            "--async-steps needs --sampler vllm: generate() and the vllm-colocate engine run in the training "
+            "process, on the weights being trained and on the device training uses, so there is nothing to overlap "
+            "them with",
+        ),
+        (
+            args.sampler != "vllm-colocate" or not args.fsdp,
+            "--sampler vllm-colocate with --fsdp is not supported (each process's engine would need the gathered "
+            "weights written out after every update): drop --fsdp (each process keeps its own engine) or use "
+            "--sampler vllm",
+        ),
+        (
+            0 < args.vllm_gpu_memory_utilization < 1,
+            f"--vllm-gpu-memory-utilization must lie in (0, 1), got {args.vllm_gpu_memory_utilization}",
         ),
         (
             not (args.fsdp and args.async_steps),
@@ -303,7 +323,7 @@ def validate_ppo_args(args: PPOArgs) -> None:
 RESUME_FREE_FLAGS = tuple(
     "preset config resume eval_only output_dir track wandb_project save_every eval_every eval_games threads micro_batch_tokens "
     "sample_batch_size fsdp sampler sampler_url sampler_adapter_dir sampler_concurrency sampler_timeout_s "
-    "sampler_deadline_s kv_cache_mb".split()
+    "sampler_deadline_s kv_cache_mb vllm_gpu_memory_utilization".split()
 )
 
 
@@ -432,6 +452,10 @@ def startup_checks(args, algorithm: str, accelerator, validate_args, resume_may_
                 args, data_root=common.resolve_data_root(args.data_root, args.model), chat_template=template
             )
             samplers.chat_protocol(args)  # the chat template (the tokenizer only: no weights load)
+        sampler, reason = samplers.sampler_choice(args)
+        if args.sampler == "auto" and accelerator.is_main_process:
+            print(f"[start] --sampler auto: {sampler} ({reason})", file=sys.stderr)
+        args = dataclasses.replace(args, sampler=sampler)
         state = None
         if checkpoint is not None:
             state = check_checkpoint(
@@ -470,6 +494,23 @@ class Job:
     trainer_state: dict | None
 
 
+class OutOfMemoryStop(RuntimeError):
+    """The device ran out of memory: the run stops with what to lower, its last checkpoint kept for --resume."""
+
+
+def out_of_memory_message(args, error: torch.OutOfMemoryError) -> str:
+    """What ran out, the checkpoint to resume from, and the knobs that bound what a run holds at once."""
+    last = find_checkpoint("auto", args.output_dir, args.exp_name, args.seed, "--resume")  # what --resume auto takes
+    where = f"the last checkpoint, {last}, is kept" if last is not None else "no checkpoint was saved yet"
+    return (
+        f"out of memory ({str(error).splitlines()[0] if str(error) else type(error).__name__}); {where}: lower "
+        f"--sample-batch-size ({args.sample_batch_size}, prompts sampled at once), --micro-batch-tokens "
+        f"({args.micro_batch_tokens}, tokens of one forward/backward), --kv-cache-mb ({args.kv_cache_mb}, KV caches "
+        f"kept between turns) or --vllm-gpu-memory-utilization ({args.vllm_gpu_memory_utilization}, the vLLM "
+        "engine's share of the GPU), then continue with --resume auto"
+    )
+
+
 @contextlib.contextmanager
 def training_job(args, algorithm: str, validate_args, resume_may_change: Sequence[str] = ()):
     """The accelerator, the start-up checks (start) and the seeds around a run; yields its Job."""
@@ -480,7 +521,10 @@ def training_job(args, algorithm: str, validate_args, resume_may_change: Sequenc
         args, checkpoint, trainer_state = startup_checks(args, algorithm, accelerator, validate_args, resume_may_change)
         set_seed(args.seed + accelerator.process_index)
         yield Job(args, accelerator, algorithm, checkpoint, trainer_state)
+    except torch.OutOfMemoryError as error:
+        raise OutOfMemoryStop(out_of_memory_message(args, error)) from error
     finally:
+        samplers.close_colocated_engine()
         close_distributed()
 
 
@@ -1273,6 +1317,9 @@ def cli(args_type, main, presets: dict | None = None, argv: Sequence[str] | None
     except StartupError as error:
         print(f"error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
+    except OutOfMemoryStop as error:
+        print(f"error: {error}", file=sys.stderr)
+        raise SystemExit(1) from None
 
 
 def configured_defaults(args, presets: dict):

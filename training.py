@@ -198,16 +198,16 @@ def trained_logprobs(rt, datums: Sequence[Datum], reference: bool = False) -> li
 
 def refresh_old_logprobs(rt, datums: list[Datum], always: bool = False) -> dict:
     """The datums' old logprobs become the trainer's own: always (an update of several optimizer steps measures its
-    ratios from the policy before the first, as veRL does), or with --sampler vllm and --recompute-logprobs (the
-    server's kernels and precision differ). With the server, the drift |server - trainer| over the trained tokens is
-    reported. With --async-steps the data is off-policy: behaviour_logprobs."""
+    ratios from the policy before the first, as veRL does), or with a vLLM sampler and --recompute-logprobs (vLLM's
+    kernels and precision differ). With vLLM, the drift |vLLM - trainer| over the trained tokens is reported. With --async-steps the data is off-policy: behaviour_logprobs."""
     args = rt.args
     if datums and args.async_steps:
         return behaviour_logprobs(rt, datums)
-    if not datums or not (always or (args.sampler == "vllm" and args.recompute_logprobs)):
+    sampled_by_vllm = samplers.sampler_choice(args)[0] in samplers.VLLM_SAMPLERS
+    if not datums or not (always or (sampled_by_vllm and args.recompute_logprobs)):
         return {}
     drift = replace_old_logprobs(datums, trained_logprobs(rt, datums))
-    if args.sampler != "vllm":
+    if not sampled_by_vllm:
         return {}
     return drift_metrics(drift)
 
@@ -328,6 +328,8 @@ def train_step(rt, datums: list[Datum], loss_fn: LossFn) -> dict:
     from accelerate.utils import gather_object
 
     args, accelerator, optimizer, pad_id = rt.args, rt.accelerator, rt.optimizer, rt.tokenizer.pad_token_id
+    if hasattr(sampler := getattr(rt, "sample_fn", None), "end_rollout"):  # nothing samples these weights again
+        sampler.end_rollout()  # (vllm-colocate on CUDA: the engine sleeps, its memory is training's)
     policy = accelerator.unwrap_model(rt.model)  # gradients are summed across processes by hand below
     policy.train()
     params = [p for group in optimizer.param_groups for p in group["params"]]  # --fsdp: the shards

