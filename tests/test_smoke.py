@@ -1,19 +1,29 @@
 """Every algorithm script's `smoke` preset through its real command line (cli), with the default sampler
-(generate() with KV reuse): as is, and with what load_model does on a GPU (bfloat16 weights, gradient checkpointing;
---dtype bfloat16 --gradient-checkpointing on), so that a dtype or checkpointing mistake shows on CPU."""
+(generate() with KV reuse): with what load_model does on a GPU (bfloat16 weights, gradient checkpointing; --dtype
+bfloat16 --gradient-checkpointing on), so that a dtype or checkpointing mistake shows on CPU; and as is, in the venv at
+the declared lower bounds (tests/test_floors.py; the main venv's other tests run the default precision throughout)."""
 
 import json
 import math
+import os
 
 import pytest
 from algorithm_scripts import MODULES, NAMES
+from test_floors import AT_THE_FLOORS
 
 import harness
 
 CUDA_BRANCH = ["--dtype", "bfloat16", "--gradient-checkpointing", "on"]
+AT_FLOORS = bool(os.environ.get(AT_THE_FLOORS))
 
 
-@pytest.mark.parametrize("precision", ["default", "cuda_branch"])
+@pytest.mark.parametrize(
+    "precision",
+    [
+        pytest.param("default", marks=pytest.mark.skipif(not AT_FLOORS, reason="run at the floors")),
+        pytest.param("cuda_branch", marks=pytest.mark.skipif(AT_FLOORS, reason="run in the main venv")),
+    ],
+)
 @pytest.mark.parametrize("name", NAMES)
 def test_smoke_preset_trains(name, precision, tmp_path, capfd):
     module = MODULES[name]

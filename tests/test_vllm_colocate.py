@@ -128,7 +128,9 @@ def test_a_killed_run_resumes_exactly(tmp_path):
     for row, want in zip(rows, expected):
         for key in (k for k in want if not TIMING.search(k)):
             assert row[key] == (want[key] if isinstance(want[key], str) else pytest.approx(want[key], abs=1e-9)), key
-    states = [json.loads((run / "checkpoints" / "update_000003" / "trainer_state.json").read_text()) for run in runs.values()]
+    states = [
+        json.loads((run / "checkpoints" / "update_000003" / "trainer_state.json").read_text()) for run in runs.values()
+    ]
     assert states[0]["adapter_sha256"] == states[1]["adapter_sha256"]
 
 

@@ -141,7 +141,12 @@ def measure_smoke(name: str, out_dir: Path) -> dict:
         error = None
     except Exception as failure:  # noqa: BLE001 (the check reports every script's outcome)
         error = f"{type(failure).__name__}: {failure}"[:2000]
-    return {"measured": f"{name} smoke", "ok": error is None, "error": error, "wall_s": round(time.perf_counter() - start, 1)}
+    return {
+        "measured": f"{name} smoke",
+        "ok": error is None,
+        "error": error,
+        "wall_s": round(time.perf_counter() - start, 1),
+    }
 
 
 def measure_update(name: str, module, run_args, parameters: int, tflops: float) -> dict:

@@ -37,7 +37,9 @@ def run(script: str, sampler: str, updates: int, out: Path, cores, url: str = ""
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--script", default="gigpo", choices=("gigpo", "adca_grpo", "ppo"), help="a --num-updates script")
+    parser.add_argument(
+        "--script", default="gigpo", choices=("gigpo", "adca_grpo", "ppo"), help="a --num-updates script"
+    )
     parser.add_argument("--updates", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--out", default="", help="also write the results as JSON here")
