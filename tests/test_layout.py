@@ -13,7 +13,6 @@ import pytest
 from algorithm_scripts import MODULES, NAMES
 
 import harness
-import training
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = [f"{name}.py" for name in NAMES]  # found by algorithm_scripts.py

@@ -12,7 +12,6 @@ import pytest
 import torch
 from accelerate.utils import set_seed
 
-import common
 import harness
 import samplers
 import tempo

@@ -208,5 +208,5 @@ class TinyVllmServer:
                 if token in stop_ids:
                     finish = "stop"
                     break
-                out = self.model(input_ids=torch.tensor([[token]]), cache=out.cache, use_cache=True)
+                out = self.model(input_ids=torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
         return tokens, logprobs, finish

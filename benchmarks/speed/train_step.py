@@ -93,7 +93,10 @@ def measure(args: Args) -> dict:
     import psutil
     import torch
 
+    import harness
+    import samplers
     import tempo
+    import training
 
     torch.set_num_threads(args.threads)
     run_args = tempo.Args(model=args.model_dir, lora_rank=16, lora_alpha=32, micro_batch_tokens=max(args.tokens))
@@ -130,9 +133,7 @@ def main(args: Args) -> None:
         return
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
-    import harness
     import samplers
-    import training
 
     with tempfile.TemporaryDirectory() as model_dir:
         tiny = samplers.resolve_model("tiny")  # a tokenizer for the model dir; the ids below are random in the vocab
