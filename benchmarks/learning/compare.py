@@ -208,6 +208,55 @@ def change_interval(values: Sequence[float], start: float, level: float = 0.95) 
     return statistics.fmean(values) - start, float(interval.low), float(interval.high)
 
 
+def episode_outcomes(point: dict, mode: str = "sampled") -> list[int]:
+    """The evaluation point's episodes as 0/1 outcomes (its wins per game, each game's episodes one after another)."""
+    n = point["episodes"] if mode == "sampled" else 1
+    return [int(e < wins) for wins in point[mode] for e in range(n)]
+
+
+def change_interval_with_start(
+    values: Sequence[float], start: dict, level: float = 0.95
+) -> tuple[float, float, float]:  # fmt: skip
+    """(mean(values) - the start's success, low, high): Welch's t interval of the per-seed ends against the start's
+    evaluation taken as its sample of 0/1 episodes, so the start's own sampling noise is in the interval (the ends
+    reuse the start's random numbers, so they correlate with it: treating them as independent makes it wider, not
+    narrower)."""
+    return difference_interval(values, episode_outcomes(start), level)
+
+
+BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED = 9999, 0  # fixed, so that the regenerated tables do not move
+
+
+def bootstrap_interval(a: Sequence[float], b: Sequence[float], level: float = 0.95) -> tuple[float, float, float]:
+    """(mean(a) - mean(b), low, high): the percentile bootstrap interval of the difference of means, each arm resampled
+    on its own (scipy.stats.bootstrap, a fixed seed). Its bounds are differences of means of observed values, so they
+    stay within [-1, 1] and within what the data can give; at n = 5 a percentile interval is narrower than its level
+    claims (it ignores that the spread itself is estimated), so it is read beside Welch's, not instead of it."""
+    import numpy as np
+    from scipy import stats
+
+    if len(a) < 2 or len(b) < 2:
+        raise ValueError(f"bootstrap_interval needs >= 2 values per arm, got {len(a)} and {len(b)}")
+    result = stats.bootstrap(
+        (np.asarray(a, float), np.asarray(b, float)),
+        lambda x, y, axis: np.mean(x, axis=axis) - np.mean(y, axis=axis),
+        vectorized=True, paired=False, confidence_level=level, n_resamples=BOOTSTRAP_RESAMPLES, method="percentile",
+        rng=np.random.default_rng(BOOTSTRAP_SEED),
+    )  # fmt: skip
+    interval = result.confidence_interval
+    return statistics.fmean(a) - statistics.fmean(b), float(interval.low), float(interval.high)
+
+
+def rank_test_p(a: Sequence[float], b: Sequence[float]) -> float:
+    """Two-sided Mann-Whitney U p-value of a against b, by permutation (scipy's PermutationMethod: exact when the
+    distinct splits of the pooled values number at most BOOTSTRAP_RESAMPLES, e.g. 252 at n = 5 + 5; ties handled)."""
+    import numpy as np
+    from scipy import stats
+
+    method = stats.PermutationMethod(n_resamples=BOOTSTRAP_RESAMPLES, rng=np.random.default_rng(BOOTSTRAP_SEED))
+    return float(stats.mannwhitneyu(a, b, alternative="two-sided", method=method).pvalue)
+
+
 def detectable_difference(n_a: int, n_b: int, sd: float, level: float = 0.95, power: float = 0.8) -> float:
     """The smallest true difference of means that a two-sided two-sample t-test at `level` finds with probability
     `power`, for arms of n_a and n_b seeds whose values spread by `sd` (noncentral t)."""
@@ -257,9 +306,10 @@ def arms_in(results: dict, reference: str = "grpo") -> list[str]:
 
 def summarise(results: dict, arms: Sequence[str], reference: str = "grpo") -> str:
     """Per arm: seeds n, start, midpoint (the evaluation at half the run's updates) and end sampled success, the change
-    with its one-sample t interval, the difference from the reference arm's end with Welch's t interval (95%) and the
-    smallest difference that test detects at 80% power, greedy success, tokens, and whether every run's provenance
-    is recorded."""
+    from the start with Welch's t interval that counts the start's own episodes (change_interval_with_start), the
+    difference from the reference arm's end with Welch's t interval (95%), its percentile bootstrap interval and the
+    Mann-Whitney p-value, the smallest difference Welch's test detects at 80% power at the pooled sd it states, greedy
+    success, tokens, and whether every run's provenance is recorded."""
     start = results["start"]
     s0 = success(start)
     arms = {name: runs for name in arms if (runs := arm_runs(results, name))}
@@ -270,10 +320,11 @@ def summarise(results: dict, arms: Sequence[str], reference: str = "grpo") -> st
     ref_mean = statistics.fmean(ref_finals) if ref_finals else None
     ref_tokens = statistics.fmean(r["points"][-1]["tokens"] for r in ref_runs) if ref_runs else None
     lines = [
-        "| arm | n (seeds) | start | mid | end (mean ± std) | change [95% t] | "
-        f"end - {reference} [95% Welch t] | detectable at 80% power | end greedy | actor tokens | actor + critic tokens | "
-        "tokens to reach its final level (% of its tokens) | provenance |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| arm | n (seeds) | start | mid | end (mean ± std) | change [95% Welch t, start's episodes counted] | "
+        f"end - {reference} [95% Welch t] | [95% bootstrap] | Mann-Whitney p | detectable at 80% power (at sd) | "
+        "end greedy | actor tokens | actor + critic tokens | tokens to reach its final level (% of its tokens) | "
+        "provenance |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, runs in arms.items():
         finals = [success(r["points"][-1]) for r in runs]
@@ -281,8 +332,8 @@ def summarise(results: dict, arms: Sequence[str], reference: str = "grpo") -> st
         tokens = statistics.fmean(r["points"][-1]["tokens"] for r in runs)
         critic_tokens = statistics.fmean(critic_tokens_until(r, r["points"][-1].get("update", 0)) for r in runs)
         mean_end = statistics.fmean(finals)
-        change = bracket(change_interval(finals, s0)) if len(finals) > 1 else f"{mean_end - s0:+.2f}"
-        reach = vs_reference = detectable = "-"
+        change = bracket(change_interval_with_start(finals, start)) if len(finals) > 1 else f"{mean_end - s0:+.2f}"
+        reach = vs_reference = boot = rank_p = detectable = "-"
         if ref_runs:
             if ref_mean <= s0:  # every run starts at the reference's final level: nothing to reach
                 reach = f"- ({reference} ended at or below the start)"
@@ -291,15 +342,18 @@ def summarise(results: dict, arms: Sequence[str], reference: str = "grpo") -> st
                 reach = f"{hit:,.0f} ({hit / ref_tokens:.0%})" if hit is not None else "not reached"
             if name != reference and len(finals) > 1 and len(ref_finals) > 1:
                 vs_reference = bracket(difference_interval(finals, ref_finals))
+                _, low, high = bootstrap_interval(finals, ref_finals)
+                boot = f"[{low:+.2f}, {high:+.2f}]"
+                rank_p = f"{rank_test_p(finals, ref_finals):.2f}"
                 spread = pooled_sd(finals, ref_finals)
-                detectable = f"{detectable_difference(len(finals), len(ref_finals), spread):.2f}"
+                detectable = f"{detectable_difference(len(finals), len(ref_finals), spread):.2f} ({spread:.2f})"
         std = statistics.stdev(finals) if len(finals) > 1 else 0.0
         mid = f"{statistics.fmean(mids):.2f}" if len(mids) == len(runs) else "-"
         greedy = statistics.fmean(success(r["points"][-1], "greedy") for r in runs)
         recorded = sum(bool(r.get("provenance")) for r in runs)
         lines.append(
             f"| {name} | {len(runs)} | {s0:.2f} | {mid} | {mean_end:.2f} ± {std:.2f} | {change} | {vs_reference} | "
-            f"{detectable} | {greedy:.2f} | {tokens:,.0f} | {tokens + critic_tokens:,.0f} | {reach} | "
+            f"{boot} | {rank_p} | {detectable} | {greedy:.2f} | {tokens:,.0f} | {tokens + critic_tokens:,.0f} | {reach} | "
             f"{'recorded' if recorded == len(runs) else f'{len(runs) - recorded} of {len(runs)} runs lack it'} |"
         )
     return "\n".join(lines) + "\n"
