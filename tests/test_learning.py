@@ -246,3 +246,52 @@ def test_compare_starts_a_server_only_when_a_run_still_to_train_samples_through_
     with compare.sampler_server(given, Path("/warm"), ["grpo_vllm", "grpo_async1"], tmp_path / "server.log") as served:
         assert served == (given.sampler_url, None)
     assert not (tmp_path / "server.log").exists()
+
+
+def test_the_ranking_settings_games_are_the_first_of_each_type_and_every_held_out_game(tmp_path):
+    """agents.rank_games copies the first RANK_GAMES_PER_TYPE training games of each short task type (sorted order)
+    and every valid_seen / valid_unseen game of those types, in ALFWorld's layout, once; the `rank` setting trains
+    and evaluates with the short setting's preset on them."""
+    from benchmarks.learning import agents, runs
+
+    source = offline.tiny_agent_games()  # the generator's first 12 games stand in for the 240-game set
+    games = agents.rank_games(tmp_path, source)
+    types = agents.RANK_RECIPE.task_types
+    def playable(root, split):
+        try:
+            return common.discover_games(root, split, types)
+        except FileNotFoundError:  # a split without a game of these types (the 12-game set's valid splits)
+            return []
+
+    for split in common.SPLITS:
+        wanted = playable(source, split)
+        if split == "train":
+            wanted = [g for t in types for g in [g for g in wanted if common.load_task_type(g) == t][:16]]
+            assert len(wanted) == 4  # the 12-game set's look_at and pick_and_place training games
+        copied = playable(games, split)
+        assert [Path(g).relative_to(games) for g in copied] == sorted(Path(g).relative_to(source) for g in wanted)
+        assert all(Path(c).read_bytes() == Path(w).read_bytes() for c, w in zip(copied, sorted(wanted)))
+    assert agents.rank_games(tmp_path, source) == games  # made once
+    assert runs.SETTINGS["rank"] == (agents.RANK_AGENT, "learning") and runs.recipe("rank").max_turns == 6
+    command = runs.algorithm_command("grpo@5e-4", 1, 12, tmp_path / "warm", games, tmp_path, "rank", 12)
+    assert command[:2] == ["adca_grpo.py", "learning"] and command[command.index("--data-root") + 1] == str(games)
+
+
+def test_the_held_out_table_reports_the_start_and_each_arms_ends_on_unseen_games():
+    """--heldout-episodes: the start and each run's end carry valid_seen / valid_unseen wins; the table gives their
+    sampled and greedy success, means over the seeds that have them, and nothing when the start was not evaluated."""
+    held = {"valid_seen": {"sampled": [4, 0], "greedy": [1, 0], "episodes": 8},
+            "valid_unseen": {"sampled": [0, 2], "greedy": [0, 0], "episodes": 8}}  # fmt: skip
+    start = {"sampled": [8, 0, 0, 0], "greedy": [1, 0, 0, 0], "episodes": 16, "tokens": 0, **held}
+    runs = summary_runs(start, [(8, 4, 6), (16, 8, 10)])
+    runs["grpo-s1"]["points"][-1].update(
+        valid_seen={"sampled": [8, 8], "greedy": [1, 1], "episodes": 8}, valid_unseen=held["valid_unseen"]
+    )
+    runs["grpo-s2"]["points"][-1].update(held)
+    table = compare.heldout_summary({"start": start, "runs": runs}, ["grpo", "tempo"])
+    rows = table.splitlines()
+    assert rows[2] == "| (the start) | - | 0.25 / 0.50 (2 games x 8) | 0.12 / 0.00 (2 games x 8) |"
+    assert rows[3] == "| grpo | 2 | 0.62 / 0.75 (2 games x 8) | 0.12 / 0.00 (2 games x 8) |"
+    assert len(rows) == 4  # tempo's ends were not evaluated held out
+    without = {k: v for k, v in start.items() if k not in held}
+    assert compare.heldout_summary({"start": without, "runs": runs}, ["grpo"]) == ""

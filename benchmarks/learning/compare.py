@@ -44,7 +44,6 @@ from typing import Literal, Sequence
 import tyro
 
 import common
-import offline
 from benchmarks.learning import agents, critic
 from benchmarks.learning.runs import (
     MAIN_ARMS,
@@ -66,9 +65,11 @@ class Args:
     """results directory (results.json, learning.png, tempo_critic.png, learning.md): committed"""
     cache: str = str(agents.CACHE)
     """games, models and run directories (checkpoints): not committed"""
-    setting: Literal["short", "long"] = "short"
+    setting: Literal["short", "long", "rank"] = "short"
     """short: 4 games with 4-step walkthroughs, T 6 (tiny-agent); long: pick two / clean / cool games with 6-10-step
-    walkthroughs, T 20, TEMPO's H 5 (tiny-agent-long); each script's `learning` / `learning-long` preset"""
+    walkthroughs, T 20, TEMPO's H 5 (tiny-agent-long); each script's `learning` / `learning-long` preset; rank: the
+    ranking setting, 32 look_at / pick_and_place training games of the generated set (rank-agent, built by
+    benchmarks/learning/agents.py), the short setting's `learning` preset"""
     quick: bool = False
     """one seed, --quick-updates updates: the pipeline end to end in minutes"""
     algorithms: tuple[str, ...] = ()
@@ -93,6 +94,9 @@ class Args:
     go to folders named after it"""
     threads: int = 1
     """torch threads of every stage"""
+    heldout_episodes: int = 0
+    """sampled episodes per game on the valid_seen and valid_unseen games of the setting's task types (games no run
+    trains on), at the start and at each run's last checkpoint; 0: not evaluated"""
     critic_eval: bool = False
     """score TEMPO's critic (and PPO's value head) against true V at the start and at each TEMPO (PPO) evaluation
     point (~4 min a point)"""
@@ -177,6 +181,9 @@ class Evaluator:
             result[mode] = [sum(t.won for t in group) for group in groups]  # wins per game
         result["episodes"] = episodes
         return result
+
+
+HELDOUT_SPLITS = ("valid_seen", "valid_unseen")  # --heldout-episodes: games of the task types that no run trains on
 
 
 def success(point: dict, mode: str = "sampled") -> float:
@@ -353,9 +360,38 @@ def summarise(results: dict, arms: Sequence[str], reference: str = "grpo") -> st
         recorded = sum(bool(r.get("provenance")) for r in runs)
         lines.append(
             f"| {name} | {len(runs)} | {s0:.2f} | {mid} | {mean_end:.2f} ± {std:.2f} | {change} | {vs_reference} | "
-            f"{boot} | {rank_p} | {detectable} | {greedy:.2f} | {tokens:,.0f} | {tokens + critic_tokens:,.0f} | {reach} | "
+            f"{boot} | {rank_p} | {detectable} | {greedy:.2f} | {tokens:,.0f} | {tokens + critic_tokens:,.0f} | "
+            f"{reach} | "
             f"{'recorded' if recorded == len(runs) else f'{len(runs) - recorded} of {len(runs)} runs lack it'} |"
         )
+    return "\n".join(lines) + "\n"
+
+
+def heldout_summary(results: dict, arms: Sequence[str]) -> str:
+    """Success on games no run trains on (--heldout-episodes: the valid_seen and valid_unseen games of the setting's
+    task types), at the start and at each arm's end, means over the seeds evaluated there: sampled (wins / episodes)
+    and greedy (games won / games)."""
+    start = results["start"]
+    splits = [split for split in HELDOUT_SPLITS if split in start]
+    if not splits:
+        return ""
+
+    def cell(points: list[dict], split: str) -> str:
+        if not points:
+            return "-"
+        first = points[0][split]
+        sampled = statistics.fmean(success(p[split]) for p in points)
+        greedy = statistics.fmean(success(p[split], "greedy") for p in points)
+        return f"{sampled:.2f} / {greedy:.2f} ({len(first['sampled'])} games x {first['episodes']})"
+
+    header = " | ".join(f"{split} sampled / greedy" for split in splits)
+    lines = [f"| arm | n (seeds) | {header} |", "|---|---|" + "---|" * len(splits)]
+    lines.append("| (the start) | - | " + " | ".join(cell([start], split) for split in splits) + " |")
+    for name in arms:
+        ends = [r["points"][-1] for r in arm_runs(results, name)]
+        ends = [p for p in ends if all(split in p for split in splits)]
+        if ends:
+            lines.append(f"| {name} | {len(ends)} | " + " | ".join(cell(ends, split) for split in splits) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -605,9 +641,8 @@ def main(args: Args) -> None:
         algorithm(name)  # an unknown name fails before anything runs
     if args.eval_every < 1 or args.updates < 1:
         raise ValueError("--updates and --eval-every must be >= 1")
-    mode = (
-        ("quick" if args.quick else "full") if args.setting == "short" else f"long-{'quick' if args.quick else 'full'}"
-    )
+    mode = "quick" if args.quick else "full"
+    mode = mode if args.setting == "short" else f"{args.setting}-{mode}"
     mode += f"-{Path(args.warm_start).name}" if args.warm_start else ""
     out, cache = Path(args.out) / mode, Path(args.cache)
     out.mkdir(parents=True, exist_ok=True)
@@ -622,8 +657,21 @@ def main(args: Args) -> None:
     agent = SETTINGS[args.setting][0]
     warm, games = agents.build(cache, args.threads, agent)
     warm = Path(args.warm_start) if args.warm_start else warm
-    game_files = common.discover_games(games, "train", offline.TINY_AGENTS[agent].task_types)
+    task_types = agents.RECIPES[agent].task_types
+    game_files = common.discover_games(games, "train", task_types)
     evaluate = Evaluator(warm, game_files, args)
+    heldout = {
+        split: Evaluator(warm, common.discover_games(games, split, task_types), args) for split in HELDOUT_SPLITS
+    } if args.heldout_episodes else {}  # fmt: skip
+
+    def evaluate_heldout(point: dict, checkpoint: Path | None) -> bool:
+        """Add the held-out splits' evaluations the point lacks; whether it added any."""
+        missing = [split for split in heldout if split not in point]
+        for split in missing:
+            log(f"{'the warm start' if checkpoint is None else checkpoint}: {split}")
+            point[split] = heldout[split](checkpoint, args.heldout_episodes)
+        return bool(missing)
+
     results = json.loads(results_file.read_text()) if results_file.is_file() else {"runs": {}}
     results["config"] = {**dataclasses.asdict(args), "games": game_files, "updates": updates, "seeds": list(seeds)}
 
@@ -645,6 +693,8 @@ def main(args: Args) -> None:
         save(results_file, results, ours)
     elif results["start"]["warm_start_sha256"] != warm_sha256:
         raise ValueError(f"{warm} is not the warm start {results_file} was made from (its sha256 differs)")
+    if evaluate_heldout(results["start"], None):
+        save(results_file, results, ours)
     log(f"warm start: sampled {success(results['start']):.2f}, greedy {success(results['start'], 'greedy'):.2f}")
     probe = None
 
@@ -700,6 +750,11 @@ def main(args: Args) -> None:
                 entry["points"].append({**evaluate(checkpoint, args.eval_episodes), "update": update, "tokens": tokens})
                 save(results_file, results, ours)
                 log(f"{key}: update {update}: sampled {success(entry['points'][-1]):.2f}")
+            last = entry["points"][-1]
+            if len(entry["points"]) > 1 and last.get("update") == run_updates(name, updates, td_updates):
+                checkpoint = rdir / "checkpoints" / f"update_{last['update']:06d}"
+                if evaluate_heldout(last, checkpoint):
+                    save(results_file, results, ours)
             for point in entry["points"][1:] if args.critic_eval and name.startswith("tempo") else []:
                 if "critic" not in point:
                     log(f"{key}: update {point['update']}: the critic against true V")
@@ -717,6 +772,9 @@ def main(args: Args) -> None:
 def report(results: dict, out: Path, args: Args) -> None:
     arms = args.algorithms or arms_in(results, args.reference)
     table = summarise(results, arms, args.reference)
+    heldout = heldout_summary(results, arms)
+    if heldout:
+        table += "\nOn games no run trains on (valid_seen, valid_unseen of the same task types):\n\n" + heldout
     signals = signals_summary(results, arms)
     if signals:
         table += "\nWhat the updates saw (means over updates, then seeds; TEMPO's actor/ and td/: TD updates):\n\n"
