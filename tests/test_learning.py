@@ -82,11 +82,19 @@ def test_summary_reports_n_welch_intervals_the_detectable_difference_and_tokens(
     grpo, tempo = [w / 32 for w in (8, 16, 12)], [w / 32 for w in (6, 10, 5)]
     assert grpo_row.startswith(f"| grpo | 3 | 0.12 | - | 0.38 ± {statistics.stdev(grpo):.2f} |")
     assert tempo_row.startswith(f"| tempo | 3 | 0.12 | {(4 + 8 + 6) / 96:.2f} | 0.22 ± {statistics.stdev(tempo):.2f} |")
-    change = stats.ttest_1samp([v - 0.125 for v in tempo], 0).confidence_interval()
+    start_episodes = [1] * 8 + [0] * 56  # the start's 64 episodes: its change interval counts their noise
+    change = stats.ttest_ind(tempo, start_episodes, equal_var=False).confidence_interval()
     assert f"| {statistics.fmean(tempo) - 0.125:+.2f} [{change.low:+.2f}, {change.high:+.2f}] |" in tempo_row
     welch = stats.ttest_ind(tempo, grpo, equal_var=False).confidence_interval()
     difference = statistics.fmean(tempo) - statistics.fmean(grpo)
-    assert f"| {difference:+.2f} [{welch.low:+.2f}, {welch.high:+.2f}] |" in tempo_row
+    _, boot_low, boot_high = compare.bootstrap_interval(tempo, grpo)
+    rank_p = compare.rank_test_p(tempo, grpo)
+    spread = compare.pooled_sd(tempo, grpo)
+    detectable = compare.detectable_difference(3, 3, spread)
+    assert (
+        f"| {difference:+.2f} [{welch.low:+.2f}, {welch.high:+.2f}] | [{boot_low:+.2f}, {boot_high:+.2f}] | "
+        f"{rank_p:.2f} | {detectable:.2f} ({spread:.2f}) |"
+    ) in tempo_row
     assert "| 900 | 1,140 |" in tempo_row  # actor tokens, then + 24 updates x 10 critic tokens
     assert "| not reached |" in tempo_row  # TEMPO's best mean is below GRPO's 0.38
     assert tempo_row.endswith("| 3 of 3 runs lack it |")
@@ -122,6 +130,60 @@ def test_difference_interval_is_welchs_t_interval(sizes):
         assert (low, high) == pytest.approx((difference - half, difference + half), abs=1e-9)
     with pytest.raises(ValueError, match=">= 2 values per arm"):
         compare.difference_interval([0.5], [0.4, 0.6])
+
+
+def test_the_change_interval_counts_the_starts_own_episodes():
+    """The start is one evaluation (wins per game of `episodes` each), not an exact value: the change interval is
+    Welch's over the per-seed ends against the start's 0/1 episodes, so it is wider than the one-sample interval that
+    treats the start as exact, by about the start's binomial standard error."""
+    from scipy import stats
+
+    start = {"sampled": [10, 6, 3, 13], "episodes": 16, "greedy": [1, 1, 0, 1]}
+    episodes = compare.episode_outcomes(start)
+    assert len(episodes) == 64 and sum(episodes) == 32 and episodes[:16] == [1] * 10 + [0] * 6
+    assert compare.episode_outcomes(start, "greedy") == [1, 1, 0, 1]
+    ends = [0.62, 0.70, 0.66, 0.75, 0.59]
+    change, low, high = compare.change_interval_with_start(ends, start)
+    assert change == pytest.approx(statistics.fmean(ends) - 0.5)
+    welch = stats.ttest_ind(ends, episodes, equal_var=False).confidence_interval()
+    assert (low, high) == pytest.approx((welch.low, welch.high), abs=1e-12)
+    _, exact_low, exact_high = compare.change_interval(ends, 0.5)
+    assert low < exact_low and high > exact_high
+    half_width = (high - low) / 2
+    se = math.sqrt(statistics.variance(ends) / 5 + statistics.variance(episodes) / 64)
+    assert half_width == pytest.approx(stats.t.ppf(0.975, 4) * se, rel=0.3)  # df between 4 and 68
+
+
+def test_bootstrap_interval_and_rank_test_respect_bounded_small_samples():
+    """At n = 5 of success rates near 1, Welch's interval of an arm's mean leaves [0, 1]; the percentile bootstrap's
+    bounds are differences of observed means, so they stay within what the data can give; both are scipy's (the
+    same as calling scipy directly, and the same on every call: the tables must not move). The Mann-Whitney p is the
+    exact permutation p at 5 + 5 (252 splits), here equal to scipy's exact method on untied data."""
+    import numpy as np
+    from scipy import stats
+
+    a, b = [1.0, 1.0, 1.0, 0.97, 0.78], [0.5, 0.4, 0.6, 0.45, 0.55]
+    assert stats.ttest_1samp(a, 0).confidence_interval().high > 1.0  # the problem: a mean's t bound above 1
+    difference, low, high = compare.bootstrap_interval(a, b)
+    assert difference == pytest.approx(statistics.fmean(a) - statistics.fmean(b))
+    assert min(a) - max(b) <= low <= difference <= high <= max(a) - min(b)
+    direct = stats.bootstrap(
+        (np.array(a), np.array(b)), lambda x, y, axis: x.mean(axis) - y.mean(axis), vectorized=True, paired=False,
+        n_resamples=9999, method="percentile", rng=np.random.default_rng(0),
+    ).confidence_interval  # fmt: skip
+    assert (low, high) == pytest.approx((direct.low, direct.high))
+    assert compare.bootstrap_interval(a, b) == (difference, low, high)
+    ones = [1.0] * 5
+    assert compare.bootstrap_interval(ones, ones) == (0.0, 0.0, 0.0)  # degenerate: no spread, no width
+    with pytest.raises(ValueError, match=">= 2 values per arm"):
+        compare.bootstrap_interval([0.5], b)
+
+    untied_a, untied_b = [0.81, 0.84, 0.91, 0.88, 0.86], [0.78, 0.80, 0.83, 0.79, 0.85]
+    exact = stats.mannwhitneyu(untied_a, untied_b, method="exact").pvalue
+    assert compare.rank_test_p(untied_a, untied_b) == pytest.approx(exact)
+    assert compare.rank_test_p(a, b) == pytest.approx(2 / 252)  # every a above every b: the most extreme split
+    tied = [0.84, 0.88, 0.84, 0.81, 0.88]
+    assert 0 < compare.rank_test_p(tied, tied) <= 1.0
 
 
 def test_detectable_difference_is_found_with_80_percent_power():
@@ -184,3 +246,52 @@ def test_compare_starts_a_server_only_when_a_run_still_to_train_samples_through_
     with compare.sampler_server(given, Path("/warm"), ["grpo_vllm", "grpo_async1"], tmp_path / "server.log") as served:
         assert served == (given.sampler_url, None)
     assert not (tmp_path / "server.log").exists()
+
+
+def test_the_ranking_settings_games_are_the_first_of_each_type_and_every_held_out_game(tmp_path):
+    """agents.rank_games copies the first RANK_GAMES_PER_TYPE training games of each short task type (sorted order)
+    and every valid_seen / valid_unseen game of those types, in ALFWorld's layout, once; the `rank` setting trains
+    and evaluates with the short setting's preset on them."""
+    from benchmarks.learning import agents, runs
+
+    source = offline.tiny_agent_games()  # the generator's first 12 games stand in for the 240-game set
+    games = agents.rank_games(tmp_path, source)
+    types = agents.RANK_RECIPE.task_types
+    def playable(root, split):
+        try:
+            return common.discover_games(root, split, types)
+        except FileNotFoundError:  # a split without a game of these types (the 12-game set's valid splits)
+            return []
+
+    for split in common.SPLITS:
+        wanted = playable(source, split)
+        if split == "train":
+            wanted = [g for t in types for g in [g for g in wanted if common.load_task_type(g) == t][:16]]
+            assert len(wanted) == 4  # the 12-game set's look_at and pick_and_place training games
+        copied = playable(games, split)
+        assert [Path(g).relative_to(games) for g in copied] == sorted(Path(g).relative_to(source) for g in wanted)
+        assert all(Path(c).read_bytes() == Path(w).read_bytes() for c, w in zip(copied, sorted(wanted)))
+    assert agents.rank_games(tmp_path, source) == games  # made once
+    assert runs.SETTINGS["rank"] == (agents.RANK_AGENT, "learning") and runs.recipe("rank").max_turns == 6
+    command = runs.algorithm_command("grpo@5e-4", 1, 12, tmp_path / "warm", games, tmp_path, "rank", 12)
+    assert command[:2] == ["adca_grpo.py", "learning"] and command[command.index("--data-root") + 1] == str(games)
+
+
+def test_the_held_out_table_reports_the_start_and_each_arms_ends_on_unseen_games():
+    """--heldout-episodes: the start and each run's end carry valid_seen / valid_unseen wins; the table gives their
+    sampled and greedy success, means over the seeds that have them, and nothing when the start was not evaluated."""
+    held = {"valid_seen": {"sampled": [4, 0], "greedy": [1, 0], "episodes": 8},
+            "valid_unseen": {"sampled": [0, 2], "greedy": [0, 0], "episodes": 8}}  # fmt: skip
+    start = {"sampled": [8, 0, 0, 0], "greedy": [1, 0, 0, 0], "episodes": 16, "tokens": 0, **held}
+    runs = summary_runs(start, [(8, 4, 6), (16, 8, 10)])
+    runs["grpo-s1"]["points"][-1].update(
+        valid_seen={"sampled": [8, 8], "greedy": [1, 1], "episodes": 8}, valid_unseen=held["valid_unseen"]
+    )
+    runs["grpo-s2"]["points"][-1].update(held)
+    table = compare.heldout_summary({"start": start, "runs": runs}, ["grpo", "tempo"])
+    rows = table.splitlines()
+    assert rows[2] == "| (the start) | - | 0.25 / 0.50 (2 games x 8) | 0.12 / 0.00 (2 games x 8) |"
+    assert rows[3] == "| grpo | 2 | 0.62 / 0.75 (2 games x 8) | 0.12 / 0.00 (2 games x 8) |"
+    assert len(rows) == 4  # tempo's ends were not evaluated held out
+    without = {k: v for k, v in start.items() if k not in held}
+    assert compare.heldout_summary({"start": without, "runs": runs}, ["grpo"]) == ""

@@ -68,9 +68,11 @@ class Args:
     """results directory (results.json, learning.png, tempo_critic.png, learning.md): committed"""
     cache: str = str(agents.CACHE)
     """games, models and run directories (checkpoints): not committed"""
-    setting: Literal["short", "long"] = "short"
+    setting: Literal["short", "long", "rank"] = "short"
     """short: 4 games with 4-step walkthroughs, T 6 (tiny-agent); long: pick two / clean / cool games with 6-10-step
-    walkthroughs, T 20, TEMPO's H 5 (tiny-agent-long); each script's `learning` / `learning-long` preset"""
+    walkthroughs, T 20, TEMPO's H 5 (tiny-agent-long); each script's `learning` / `learning-long` preset; rank: the
+    ranking setting, 32 look_at / pick_and_place training games of the generated set (rank-agent, built by
+    benchmarks/learning/agents.py), the short setting's `learning` preset"""
     quick: bool = False
     """one seed, --quick-updates updates: the pipeline end to end in minutes"""
     algorithms: tuple[str, ...] = ()
@@ -95,6 +97,9 @@ class Args:
     go to folders named after it"""
     threads: int = 1
     """torch threads of every stage"""
+    heldout_episodes: int = 0
+    """sampled episodes per game on the valid_seen and valid_unseen games of the setting's task types (games no run
+    trains on), at the start and at each run's last checkpoint; 0: not evaluated"""
     critic_eval: bool = False
     """score TEMPO's critic (and PPO's value head) against true V at the start and at each TEMPO (PPO) evaluation
     point (~4 min a point)"""
@@ -182,6 +187,9 @@ class Evaluator:
         return result
 
 
+HELDOUT_SPLITS = ("valid_seen", "valid_unseen")  # --heldout-episodes: games of the task types that no run trains on
+
+
 def success(point: dict, mode: str = "sampled") -> float:
     return sum(point[mode]) / (len(point[mode]) * (point["episodes"] if mode == "sampled" else 1))
 
@@ -209,6 +217,55 @@ def change_interval(values: Sequence[float], start: float, level: float = 0.95) 
         raise ValueError(f"change_interval needs >= 2 values, got {len(values)}")
     interval = stats.ttest_1samp([v - start for v in values], 0.0).confidence_interval(level)
     return statistics.fmean(values) - start, float(interval.low), float(interval.high)
+
+
+def episode_outcomes(point: dict, mode: str = "sampled") -> list[int]:
+    """The evaluation point's episodes as 0/1 outcomes (its wins per game, each game's episodes one after another)."""
+    n = point["episodes"] if mode == "sampled" else 1
+    return [int(e < wins) for wins in point[mode] for e in range(n)]
+
+
+def change_interval_with_start(
+    values: Sequence[float], start: dict, level: float = 0.95
+) -> tuple[float, float, float]:  # fmt: skip
+    """(mean(values) - the start's success, low, high): Welch's t interval of the per-seed ends against the start's
+    evaluation taken as its sample of 0/1 episodes, so the start's own sampling noise is in the interval (the ends
+    reuse the start's random numbers, so they correlate with it: treating them as independent makes it wider, not
+    narrower)."""
+    return difference_interval(values, episode_outcomes(start), level)
+
+
+BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED = 9999, 0  # fixed, so that the regenerated tables do not move
+
+
+def bootstrap_interval(a: Sequence[float], b: Sequence[float], level: float = 0.95) -> tuple[float, float, float]:
+    """(mean(a) - mean(b), low, high): the percentile bootstrap interval of the difference of means, each arm resampled
+    on its own (scipy.stats.bootstrap, a fixed seed). Its bounds are differences of means of observed values, so they
+    stay within [-1, 1] and within what the data can give; at n = 5 a percentile interval is narrower than its level
+    claims (it ignores that the spread itself is estimated), so it is read beside Welch's, not instead of it."""
+    import numpy as np
+    from scipy import stats
+
+    if len(a) < 2 or len(b) < 2:
+        raise ValueError(f"bootstrap_interval needs >= 2 values per arm, got {len(a)} and {len(b)}")
+    result = stats.bootstrap(
+        (np.asarray(a, float), np.asarray(b, float)),
+        lambda x, y, axis: np.mean(x, axis=axis) - np.mean(y, axis=axis),
+        vectorized=True, paired=False, confidence_level=level, n_resamples=BOOTSTRAP_RESAMPLES, method="percentile",
+        rng=np.random.default_rng(BOOTSTRAP_SEED),
+    )  # fmt: skip
+    interval = result.confidence_interval
+    return statistics.fmean(a) - statistics.fmean(b), float(interval.low), float(interval.high)
+
+
+def rank_test_p(a: Sequence[float], b: Sequence[float]) -> float:
+    """Two-sided Mann-Whitney U p-value of a against b, by permutation (scipy's PermutationMethod: exact when the
+    distinct splits of the pooled values number at most BOOTSTRAP_RESAMPLES, e.g. 252 at n = 5 + 5; ties handled)."""
+    import numpy as np
+    from scipy import stats
+
+    method = stats.PermutationMethod(n_resamples=BOOTSTRAP_RESAMPLES, rng=np.random.default_rng(BOOTSTRAP_SEED))
+    return float(stats.mannwhitneyu(a, b, alternative="two-sided", method=method).pvalue)
 
 
 def detectable_difference(n_a: int, n_b: int, sd: float, level: float = 0.95, power: float = 0.8) -> float:
@@ -260,9 +317,10 @@ def arms_in(results: dict, reference: str = "grpo") -> list[str]:
 
 def summarise(results: dict, arms: Sequence[str], reference: str = "grpo") -> str:
     """Per arm: seeds n, start, midpoint (the evaluation at half the run's updates) and end sampled success, the change
-    with its one-sample t interval, the difference from the reference arm's end with Welch's t interval (95%) and the
-    smallest difference that test detects at 80% power, greedy success, tokens, and whether every run's provenance
-    is recorded."""
+    from the start with Welch's t interval that counts the start's own episodes (change_interval_with_start), the
+    difference from the reference arm's end with Welch's t interval (95%), its percentile bootstrap interval and the
+    Mann-Whitney p-value, the smallest difference Welch's test detects at 80% power at the pooled sd it states, greedy
+    success, tokens, and whether every run's provenance is recorded."""
     start = results["start"]
     s0 = success(start)
     arms = {name: runs for name in arms if (runs := arm_runs(results, name))}
@@ -273,10 +331,11 @@ def summarise(results: dict, arms: Sequence[str], reference: str = "grpo") -> st
     ref_mean = statistics.fmean(ref_finals) if ref_finals else None
     ref_tokens = statistics.fmean(r["points"][-1]["tokens"] for r in ref_runs) if ref_runs else None
     lines = [
-        "| arm | n (seeds) | start | mid | end (mean ± std) | change [95% t] | "
-        f"end - {reference} [95% Welch t] | detectable at 80% power | end greedy | actor tokens | actor + critic tokens | "
-        "tokens to reach its final level (% of its tokens) | provenance |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| arm | n (seeds) | start | mid | end (mean ± std) | change [95% Welch t, start's episodes counted] | "
+        f"end - {reference} [95% Welch t] | [95% bootstrap] | Mann-Whitney p | detectable at 80% power (at sd) | "
+        "end greedy | actor tokens | actor + critic tokens | tokens to reach its final level (% of its tokens) | "
+        "provenance |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, runs in arms.items():
         finals = [success(r["points"][-1]) for r in runs]
@@ -284,8 +343,8 @@ def summarise(results: dict, arms: Sequence[str], reference: str = "grpo") -> st
         tokens = statistics.fmean(r["points"][-1]["tokens"] for r in runs)
         critic_tokens = statistics.fmean(critic_tokens_until(r, r["points"][-1].get("update", 0)) for r in runs)
         mean_end = statistics.fmean(finals)
-        change = bracket(change_interval(finals, s0)) if len(finals) > 1 else f"{mean_end - s0:+.2f}"
-        reach = vs_reference = detectable = "-"
+        change = bracket(change_interval_with_start(finals, start)) if len(finals) > 1 else f"{mean_end - s0:+.2f}"
+        reach = vs_reference = boot = rank_p = detectable = "-"
         if ref_runs:
             if ref_mean <= s0:  # every run starts at the reference's final level: nothing to reach
                 reach = f"- ({reference} ended at or below the start)"
@@ -294,17 +353,49 @@ def summarise(results: dict, arms: Sequence[str], reference: str = "grpo") -> st
                 reach = f"{hit:,.0f} ({hit / ref_tokens:.0%})" if hit is not None else "not reached"
             if name != reference and len(finals) > 1 and len(ref_finals) > 1:
                 vs_reference = bracket(difference_interval(finals, ref_finals))
+                _, low, high = bootstrap_interval(finals, ref_finals)
+                boot = f"[{low:+.2f}, {high:+.2f}]"
+                rank_p = f"{rank_test_p(finals, ref_finals):.2f}"
                 spread = pooled_sd(finals, ref_finals)
-                detectable = f"{detectable_difference(len(finals), len(ref_finals), spread):.2f}"
+                detectable = f"{detectable_difference(len(finals), len(ref_finals), spread):.2f} ({spread:.2f})"
         std = statistics.stdev(finals) if len(finals) > 1 else 0.0
         mid = f"{statistics.fmean(mids):.2f}" if len(mids) == len(runs) else "-"
         greedy = statistics.fmean(success(r["points"][-1], "greedy") for r in runs)
         recorded = sum(bool(r.get("provenance")) for r in runs)
         lines.append(
             f"| {name} | {len(runs)} | {s0:.2f} | {mid} | {mean_end:.2f} ± {std:.2f} | {change} | {vs_reference} | "
-            f"{detectable} | {greedy:.2f} | {tokens:,.0f} | {tokens + critic_tokens:,.0f} | {reach} | "
+            f"{boot} | {rank_p} | {detectable} | {greedy:.2f} | {tokens:,.0f} | {tokens + critic_tokens:,.0f} | "
+            f"{reach} | "
             f"{'recorded' if recorded == len(runs) else f'{len(runs) - recorded} of {len(runs)} runs lack it'} |"
         )
+    return "\n".join(lines) + "\n"
+
+
+def heldout_summary(results: dict, arms: Sequence[str]) -> str:
+    """Success on games no run trains on (--heldout-episodes: the valid_seen and valid_unseen games of the setting's
+    task types), at the start and at each arm's end, means over the seeds evaluated there: sampled (wins / episodes)
+    and greedy (games won / games)."""
+    start = results["start"]
+    splits = [split for split in HELDOUT_SPLITS if split in start]
+    if not splits:
+        return ""
+
+    def cell(points: list[dict], split: str) -> str:
+        if not points:
+            return "-"
+        first = points[0][split]
+        sampled = statistics.fmean(success(p[split]) for p in points)
+        greedy = statistics.fmean(success(p[split], "greedy") for p in points)
+        return f"{sampled:.2f} / {greedy:.2f} ({len(first['sampled'])} games x {first['episodes']})"
+
+    header = " | ".join(f"{split} sampled / greedy" for split in splits)
+    lines = [f"| arm | n (seeds) | {header} |", "|---|---|" + "---|" * len(splits)]
+    lines.append("| (the start) | - | " + " | ".join(cell([start], split) for split in splits) + " |")
+    for name in arms:
+        ends = [r["points"][-1] for r in arm_runs(results, name)]
+        ends = [p for p in ends if all(split in p for split in splits)]
+        if ends:
+            lines.append(f"| {name} | {len(ends)} | " + " | ".join(cell(ends, split) for split in splits) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -554,9 +645,8 @@ def main(args: Args) -> None:
         algorithm(name)  # an unknown name fails before anything runs
     if args.eval_every < 1 or args.updates < 1:
         raise ValueError("--updates and --eval-every must be >= 1")
-    mode = (
-        ("quick" if args.quick else "full") if args.setting == "short" else f"long-{'quick' if args.quick else 'full'}"
-    )
+    mode = "quick" if args.quick else "full"
+    mode = mode if args.setting == "short" else f"{args.setting}-{mode}"
     mode += f"-{Path(args.warm_start).name}" if args.warm_start else ""
     out, cache = Path(args.out) / mode, Path(args.cache)
     out.mkdir(parents=True, exist_ok=True)
@@ -571,8 +661,21 @@ def main(args: Args) -> None:
     agent = SETTINGS[args.setting][0]
     warm, games = agents.build(cache, args.threads, agent)
     warm = Path(args.warm_start) if args.warm_start else warm
-    game_files = common.discover_games(games, "train", offline.TINY_AGENTS[agent].task_types)
+    task_types = agents.RECIPES[agent].task_types
+    game_files = common.discover_games(games, "train", task_types)
     evaluate = Evaluator(warm, game_files, args)
+    heldout = {
+        split: Evaluator(warm, common.discover_games(games, split, task_types), args) for split in HELDOUT_SPLITS
+    } if args.heldout_episodes else {}  # fmt: skip
+
+    def evaluate_heldout(point: dict, checkpoint: Path | None) -> bool:
+        """Add the held-out splits' evaluations the point lacks; whether it added any."""
+        missing = [split for split in heldout if split not in point]
+        for split in missing:
+            log(f"{'the warm start' if checkpoint is None else checkpoint}: {split}")
+            point[split] = heldout[split](checkpoint, args.heldout_episodes)
+        return bool(missing)
+
     results = json.loads(results_file.read_text()) if results_file.is_file() else {"runs": {}}
     results["config"] = {**dataclasses.asdict(args), "games": game_files, "updates": updates, "seeds": list(seeds)}
 
@@ -594,6 +697,8 @@ def main(args: Args) -> None:
         save(results_file, results, ours)
     elif results["start"]["warm_start_sha256"] != warm_sha256:
         raise ValueError(f"{warm} is not the warm start {results_file} was made from (its sha256 differs)")
+    if evaluate_heldout(results["start"], None):
+        save(results_file, results, ours)
     log(f"warm start: sampled {success(results['start']):.2f}, greedy {success(results['start'], 'greedy'):.2f}")
     probe = None
 
@@ -649,6 +754,11 @@ def main(args: Args) -> None:
                 entry["points"].append({**evaluate(checkpoint, args.eval_episodes), "update": update, "tokens": tokens})
                 save(results_file, results, ours)
                 log(f"{key}: update {update}: sampled {success(entry['points'][-1]):.2f}")
+            last = entry["points"][-1]
+            if len(entry["points"]) > 1 and last.get("update") == run_updates(name, updates, td_updates):
+                checkpoint = rdir / "checkpoints" / f"update_{last['update']:06d}"
+                if evaluate_heldout(last, checkpoint):
+                    save(results_file, results, ours)
             for point in entry["points"][1:] if args.critic_eval and name.startswith("tempo") else []:
                 if "critic" not in point:
                     log(f"{key}: update {point['update']}: the critic against true V")
@@ -666,6 +776,9 @@ def main(args: Args) -> None:
 def report(results: dict, out: Path, args: Args) -> None:
     arms = args.algorithms or arms_in(results, args.reference)
     table = summarise(results, arms, args.reference)
+    heldout = heldout_summary(results, arms)
+    if heldout:
+        table += "\nOn games no run trains on (valid_seen, valid_unseen of the same task types):\n\n" + heldout
     signals = signals_summary(results, arms)
     if signals:
         table += "\nWhat the updates saw (means over updates, then seeds; TEMPO's actor/ and td/: TD updates):\n\n"

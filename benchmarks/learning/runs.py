@@ -15,7 +15,12 @@ ROOT = Path(__file__).resolve().parents[2]
 UPDATES, SAVE_EVERY = 12, 6  # a run's updates and its checkpoint interval (compare.py's defaults)
 
 # setting -> (the tiny agent every run starts from, the scripts' preset of the setting's recipe)
-SETTINGS = {"short": ("tiny-agent", "learning"), "long": ("tiny-agent-long", "learning-long")}
+# rank (issue 53): agents.RANK_AGENT, 32 training games of the short task types (agents.rank_games), the short recipe
+SETTINGS = {
+    "short": ("tiny-agent", "learning"),
+    "long": ("tiny-agent-long", "learning-long"),
+    "rank": ("rank-agent", "learning"),
+}
 
 
 def recipe(setting: str):
