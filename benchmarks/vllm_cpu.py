@@ -88,6 +88,7 @@ class VllmServer:
             "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # one thread (OMP_NUM_THREADS), scheduled by the OS: shared cores
             "OMP_NUM_THREADS": "1",
             "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true",
+            "VLLM_LOGGING_LEVEL": "INFO",  # the log says which adapters it loaded (an importer of trl sets ERROR)
         }
         with open(self.log_file, "a") as log:
             self.process = subprocess.Popen(

@@ -8,6 +8,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
+# vLLM's own default; importing trl (test_trl_peer.py, at collection) would otherwise set ERROR for every process the
+# suite starts, and the vLLM tests read the engine's INFO lines (its start, the adapters a server loaded)
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO")
 
 import common  # noqa: E402
 import offline  # noqa: E402
