@@ -7,7 +7,8 @@ advantages, A_t = delta_t + gamma lam A_{t+1} with delta_t = r_t + gamma V(s_{t+
 0, every episode ends), normalised over the update's tokens and given to every token generated at turn t. One loss
 trains both: PPO-clip on the policy (dual clip, an optional k3 KL loss to the base model) plus --vf-coef times the
 clipped value loss against the returns A_t + V(s_t). An optional warm-up trains only the value head first, on
-Monte-Carlo returns, so that the advantages start from a critic that has seen the task.
+Monte-Carlo returns, so that the advantages start from a critic that has seen the task. `# Eq. N` marks an equation
+of the PPO paper (Schulman et al. 2017, arXiv:1707.06347); the clipped loss itself is training.ppo_clip_loss (Eq. 7).
 
     python ppo.py                                 # verl-agent's ALFWorld PPO settings where they apply
     python ppo.py --value-warmup-updates 3        # the critic first, as TEMPO's phase 1
@@ -91,7 +92,7 @@ def gae_advantages(
     advantages, running = [0.0] * len(rewards), 0.0
     for t in reversed(range(len(rewards))):
         next_value = values[t + 1] if t + 1 < len(values) else last_value
-        running = rewards[t] + gamma * next_value - values[t] + gamma * lam * running
+        running = rewards[t] + gamma * next_value - values[t] + gamma * lam * running  # Eq. 11-12 (truncated GAE)
         advantages[t] = running
     return advantages, [a + v for a, v in zip(advantages, values)]
 

@@ -437,7 +437,7 @@ def ppo_clip_loss(
     ratio = torch.exp(logprobs - batch["old_logprobs"])
     eps_high = clip_eps if clip_eps_high is None else clip_eps_high
     unclipped, clipped = -advantages * ratio, -advantages * ratio.clamp(1.0 - clip_eps, 1.0 + eps_high)
-    per_token = torch.maximum(unclipped, clipped)
+    per_token = torch.maximum(unclipped, clipped)  # PPO paper (arXiv:1707.06347) Eq. 7, negated: a loss
     stats = {"clip_frac": ((clipped > unclipped).float() * mask).sum().item()}
     if dual_clip_c is not None:
         capped = torch.minimum(per_token, -advantages * dual_clip_c)

@@ -84,7 +84,7 @@ TABLES = {
     # the ranking setting (issue 53): 32 training games, the short recipe, rank-agent (benchmarks/learning/agents.py)
     "rank-tuning": Table(
         "docs/does-it-learn.md",
-        ("rank-tuning/rank-full",),
+        ("rank-tuning/rank-full-rank-agent",),
         (("grpo@3e-4", "grpo, lr 3e-4"), ("grpo@5e-4", "grpo, lr 5e-4"), ("grpo", "grpo, lr 1e-3")),
         (1, 2, 3),
         "grpo, lr 5e-4",
