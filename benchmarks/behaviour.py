@@ -1,6 +1,6 @@
 """Same behaviour before and after a refactor: each algorithm script's presets run in a checkout of the project (a git
-worktree at any commit, or this one), their metrics (timings left out) and the last checkpoint's adapter / head hashes
-written to one JSON file; `--compare A B` lists every difference between two such files.
+worktree at any commit, or this one), their metrics and the last checkpoint's adapter / head hashes written to one JSON
+file; `--compare A B` lists every difference between two such files, timings aside.
 
     git worktree add /tmp/before COMMIT
     python -m benchmarks.behaviour --tree /tmp/before --out /tmp/before.json
@@ -22,11 +22,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ("tempo", "adca_grpo", "gigpo", "ppo")
-TIMING = re.compile(r"^time/|_per_s$|/seconds$|_s$")  # wall-clock figures: they differ between any two runs
+TIMING = re.compile(r"^time/|_per_s$|/seconds$|_s$|latency")  # wall-clock figures: they differ between any two runs
 
 
 def run_preset(tree: Path, script: str, preset: str, out: Path) -> dict:
-    """One preset of one script, run in `tree`: its metric rows without timings and its last checkpoint's hashes."""
+    """One preset of one script, run in `tree`: its metric rows and its last checkpoint's hashes."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
     command = [sys.executable, f"{script}.py", preset, "--output-dir", str(out), "--threads", "1"]
     done = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True)
@@ -37,13 +37,14 @@ def run_preset(tree: Path, script: str, preset: str, out: Path) -> dict:
     last = max((run / "checkpoints").glob("update_*"))
     state = json.loads((last / "trainer_state.json").read_text())
     return {
-        "metrics": [{k: v for k, v in row.items() if not TIMING.search(k)} for row in rows],
+        "metrics": rows,
         "hashes": {k: v for k, v in state.items() if k.endswith("_sha256")},
     }
 
 
 def compare(before: dict, after: dict) -> list[str]:
-    """Every difference between two files' runs: a run only in one, a metric row, a key or a value, a hash."""
+    """Every difference between two files' runs: a run only in one, a metric row, a key or a value (timings aside), a
+    hash."""
     differences = [f"{name}: only in one file" for name in sorted(before.keys() ^ after.keys())]
     for name in sorted(before.keys() & after.keys()):
         a, b = before[name], after[name]
@@ -52,7 +53,7 @@ def compare(before: dict, after: dict) -> list[str]:
         if len(a["metrics"]) != len(b["metrics"]):
             differences.append(f"{name}: {len(a['metrics'])} metric rows != {len(b['metrics'])}")
         for row_a, row_b in zip(a["metrics"], b["metrics"]):
-            for key in sorted(row_a.keys() | row_b.keys()):
+            for key in sorted(k for k in row_a.keys() | row_b.keys() if not TIMING.search(k)):
                 if row_a.get(key, "(absent)") != row_b.get(key, "(absent)"):
                     update = row_a.get("update", row_b.get("update"))
                     differences.append(f"{name} update {update}: {key} {row_a.get(key, '(absent)')} != "
