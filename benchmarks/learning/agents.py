@@ -5,7 +5,7 @@ with the packages they were built with, not with a fresh venv of 2026-12-02) and
 
     python -m benchmarks.learning.agents --name tiny-agent --out /tmp/tiny-agent-build
     python -m benchmarks.learning.agents --name tiny-agent-long     # into the cache, where --model tiny-agent-long looks
-    python -m benchmarks.learning.agents --name rank-agent          # the ranking setting's (also shipped)
+    python -m benchmarks.learning.agents --name rank-agent          # the ranking setting's; shipped too
 
 `rank-agent` (the ranking setting, issue 53) is built here, not in offline.TINY_AGENTS: the same random 0.9M Qwen2,
 two sft.py stages (RANK_RECIPE) on RANK_GAMES_PER_TYPE training games of each short task type of the generated

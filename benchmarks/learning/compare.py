@@ -333,7 +333,7 @@ def summarise(results: dict, arms: Sequence[str], reference: str = "grpo") -> st
     lines = [
         "| arm | n (seeds) | start | mid | end (mean ± std) | change [95% Welch t, start's episodes counted] | "
         f"end - {reference} [95% Welch t] | [95% bootstrap] | Mann-Whitney p | detectable at 80% power (at sd) | "
-        "end greedy | actor tokens | actor + critic tokens | tokens to reach its final level (% of its tokens) | "
+        f"end greedy | actor tokens | actor + critic tokens | tokens to reach {reference}'s end (% of its tokens) | "
         "provenance |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]

@@ -84,8 +84,16 @@ TABLES = {
     # the ranking setting (issue 53): 32 training games, the short recipe, rank-agent (benchmarks/learning/agents.py)
     "rank-tuning": Table(
         "docs/does-it-learn.md",
-        ("rank-tuning/rank-full-rank-agent",),
-        (("grpo@3e-4", "grpo, lr 3e-4"), ("grpo@5e-4", "grpo, lr 5e-4"), ("grpo", "grpo, lr 1e-3")),
+        # two folders: GiGPO's grid ran beside GRPO's as a second process (its start copied: the same evaluation)
+        ("rank-tuning/rank-full-rank-agent", "rank-tuning-gigpo/rank-full-rank-agent"),
+        (
+            ("grpo@3e-4", "grpo, lr 3e-4"),
+            ("grpo@5e-4", "grpo, lr 5e-4"),
+            ("grpo", "grpo, lr 1e-3"),
+            ("gigpo@3e-4", "gigpo, lr 3e-4"),
+            ("gigpo@5e-4", "gigpo, lr 5e-4"),
+            ("gigpo", "gigpo, lr 1e-3"),
+        ),
         (1, 2, 3),
         "grpo, lr 5e-4",
     ),
