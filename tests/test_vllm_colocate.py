@@ -23,9 +23,9 @@ import harness
 import offline
 import samplers
 import tempo
+from benchmarks import behaviour
 
 ROOT = Path(__file__).resolve().parents[1]
-TIMING = re.compile(r"^time/|_per_s$|/seconds$|_s$")
 
 
 def colocated(**overrides) -> tempo.Args:
@@ -126,7 +126,7 @@ def test_a_killed_run_resumes_exactly(tmp_path):
     rows, expected = read_rows(runs["killed"]), read_rows(runs["straight"])
     assert [r["update"] for r in rows] == [r["update"] for r in expected] == [1, 2]
     for row, want in zip(rows, expected):
-        for key in (k for k in want if not TIMING.search(k)):
+        for key in (k for k in want if not behaviour.TIMING.search(k)):
             assert row[key] == (want[key] if isinstance(want[key], str) else pytest.approx(want[key], abs=1e-9)), key
     states = [
         json.loads((run / "checkpoints" / "update_000002" / "trainer_state.json").read_text()) for run in runs.values()
