@@ -64,7 +64,9 @@ def summary_runs(start, ends, mids=None):
             "algorithm": "tempo",
             "seed": seed,
             "points": [start, point(12, tempo_mid, 400), point(24, tempo_end, 900)],
-            "metrics": [{"update": u, "critic/generated_tokens": 10.0} for u in range(1, 25)],
+            "metrics": [
+                {"update": u, "critic/generated_tokens": 10.0, "td/oracle_generated_tokens": 3.0} for u in range(1, 25)
+            ],
         }
     return runs
 
@@ -72,7 +74,7 @@ def summary_runs(start, ends, mids=None):
 def test_summary_reports_n_welch_intervals_the_detectable_difference_and_tokens():
     """The table's numbers from two arms x three seeds: n, the midpoint, the change with its t interval, the
     difference from GRPO's end with Welch's interval and the smallest difference detectable at 80% power, actor +
-    critic tokens, and that the runs lack provenance."""
+    critic tokens, an oracle's continuation tokens apart, and that the runs lack provenance."""
     from scipy import stats
 
     start = {"sampled": [8, 0, 0, 0], "greedy": [1, 0, 0, 0], "episodes": 16, "tokens": 0}  # 8 of 64: 0.125
@@ -95,7 +97,9 @@ def test_summary_reports_n_welch_intervals_the_detectable_difference_and_tokens(
         f"| {difference:+.2f} [{welch.low:+.2f}, {welch.high:+.2f}] | [{boot_low:+.2f}, {boot_high:+.2f}] | "
         f"{rank_p:.2f} | {detectable:.2f} ({spread:.2f}) |"
     ) in tempo_row
-    assert "| 900 | 1,140 |" in tempo_row  # actor tokens, then + 24 updates x 10 critic tokens
+    # actor tokens, then + 24 updates x 10 critic tokens, then 24 x 3 oracle continuation tokens in a column apart
+    assert "| 900 | 1,140 | 72 |" in tempo_row
+    assert "| 1,000 | 1,000 | 0 |" in grpo_row
     assert "| not reached |" in tempo_row  # TEMPO's best mean is below GRPO's 0.38
     assert tempo_row.endswith("| 3 of 3 runs lack it |")
 

@@ -804,6 +804,10 @@ def test_rollout_endpoint_values_are_the_mean_return_of_continuations_and_never_
     assert not continued & set(trained)
     generated = sum(len(s.completion_tokens) for c in continuations for t in c for s in t.steps)
     assert metrics["td/oracle_generated_tokens"] == generated > 0
+    values = [statistics.fmean(t.reward for t in c) for c in continuations]
+    errors = [statistics.stdev(t.reward for t in c) / math.sqrt(2) for c in continuations]
+    assert metrics["td/oracle_value_se_mean"] == pytest.approx(statistics.fmean(errors))
+    assert metrics["td/oracle_value_sd"] == pytest.approx(statistics.stdev(values))
 
 
 def test_no_td_critic_values_endpoints_and_trains_only_the_actor(runtime, monkeypatch):

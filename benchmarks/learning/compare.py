@@ -320,7 +320,8 @@ def summarise(results: dict, arms: Sequence[str], reference: str = "grpo") -> st
     from the start with Welch's t interval that counts the start's own episodes (change_interval_with_start), the
     difference from the reference arm's end with Welch's t interval (95%), its percentile bootstrap interval and the
     Mann-Whitney p-value, the smallest difference Welch's test detects at 80% power at the pooled sd it states, greedy
-    success, tokens, and whether every run's provenance is recorded."""
+    success, tokens (the actor's, with the critic's, and an oracle's continuations apart), and whether every run's
+    provenance is recorded."""
     start = results["start"]
     s0 = success(start)
     arms = {name: runs for name in arms if (runs := arm_runs(results, name))}
@@ -333,15 +334,18 @@ def summarise(results: dict, arms: Sequence[str], reference: str = "grpo") -> st
     lines = [
         "| arm | n (seeds) | start | mid | end (mean ± std) | change [95% Welch t, start's episodes counted] | "
         f"end - {reference} [95% Welch t] | [95% bootstrap] | Mann-Whitney p | detectable at 80% power (at sd) | "
-        f"end greedy | actor tokens | actor + critic tokens | tokens to reach {reference}'s end (% of its tokens) | "
-        "provenance |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "end greedy | actor tokens | actor + critic tokens | oracle continuation tokens | "
+        f"tokens to reach {reference}'s end (% of its tokens) | provenance |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, runs in arms.items():
         finals = [success(r["points"][-1]) for r in runs]
         mids = [success(p) for r in runs for p in r["points"] if p.get("update") == r["points"][-1]["update"] // 2]
         tokens = statistics.fmean(r["points"][-1]["tokens"] for r in runs)
-        critic_tokens = statistics.fmean(critic_tokens_until(r, r["points"][-1].get("update", 0)) for r in runs)
+        critic_tokens, oracle_tokens = (
+            statistics.fmean(tokens_until(r, r["points"][-1].get("update", 0), metric) for r in runs)
+            for metric in ("critic/generated_tokens", "td/oracle_generated_tokens")
+        )
         mean_end = statistics.fmean(finals)
         change = bracket(change_interval_with_start(finals, start)) if len(finals) > 1 else f"{mean_end - s0:+.2f}"
         reach = vs_reference = boot = rank_p = detectable = "-"
@@ -365,7 +369,7 @@ def summarise(results: dict, arms: Sequence[str], reference: str = "grpo") -> st
         lines.append(
             f"| {name} | {len(runs)} | {s0:.2f} | {mid} | {mean_end:.2f} ± {std:.2f} | {change} | {vs_reference} | "
             f"{boot} | {rank_p} | {detectable} | {greedy:.2f} | {tokens:,.0f} | {tokens + critic_tokens:,.0f} | "
-            f"{reach} | "
+            f"{oracle_tokens:,.0f} | {reach} | "
             f"{'recorded' if recorded == len(runs) else f'{len(runs) - recorded} of {len(runs)} runs lack it'} |"
         )
     return "\n".join(lines) + "\n"
@@ -434,9 +438,10 @@ def directory_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def critic_tokens_until(run: dict, update: int) -> float:
-    """TEMPO's critic's generated tokens up to `update` (0 for the other algorithms)."""
-    return sum(m.get("critic/generated_tokens", 0.0) for m in run.get("metrics", ()) if m["update"] <= update)
+def tokens_until(run: dict, update: int, metric: str) -> float:
+    """The tokens counted in `metric` up to `update`: TEMPO's critic's (critic/generated_tokens) or its oracle's
+    continuations (td/oracle_generated_tokens); 0 for a run that logs none."""
+    return sum(m.get(metric, 0.0) for m in run.get("metrics", ()) if m["update"] <= update)
 
 
 # Per-update signals, means over a run's updates (TEMPO's actor/ and td/: TD updates only), then over seeds

@@ -27,6 +27,8 @@ ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
 E16 = "long-full-last-stage-critic-e16"  # the long setting's warm start before 2026-12-03 (lost: not rebuilt alike)
 SHIPPED = "long-full-long-warm-start"  # its successor, shipped in assets/long-warm-start
+RANK = "rank-full-rank-agent"  # the ranking setting from assets/rank-agent
+RANK_ARMS = ("grpo", "gigpo", "tempo")  # the arms that rank (issue 53), each tuned on seeds 1-3
 
 
 @dataclass(frozen=True)
@@ -84,16 +86,9 @@ TABLES = {
     # the ranking setting (issue 53): 32 training games, the short recipe, rank-agent (benchmarks/learning/agents.py)
     "rank-tuning": Table(
         "docs/does-it-learn.md",
-        # two folders: GiGPO's grid ran beside GRPO's as a second process (its start copied: the same evaluation)
-        ("rank-tuning/rank-full-rank-agent", "rank-tuning-gigpo/rank-full-rank-agent"),
-        (
-            ("grpo@3e-4", "grpo, lr 3e-4"),
-            ("grpo@5e-4", "grpo, lr 5e-4"),
-            ("grpo", "grpo, lr 1e-3"),
-            ("gigpo@3e-4", "gigpo, lr 3e-4"),
-            ("gigpo@5e-4", "gigpo, lr 5e-4"),
-            ("gigpo", "gigpo, lr 1e-3"),
-        ),
+        # a folder per arm: the grids ran as parallel processes (each folder's start copied: the same evaluation)
+        tuple(f"rank-tuning{arm}/{RANK}" for arm in ("", "-gigpo", "-tempo")),
+        tuple((f"{arm}{lr}", f"{arm}, lr {lr[1:] or '1e-3'}") for arm in RANK_ARMS for lr in ("@3e-4", "@5e-4", "")),
         (1, 2, 3),
         "grpo, lr 1e-3",  # GRPO's chosen lr (the highest mean end on seeds 1-3)
     ),
