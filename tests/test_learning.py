@@ -252,13 +252,14 @@ def test_compare_starts_a_server_only_when_a_run_still_to_train_samples_through_
     assert not (tmp_path / "server.log").exists()
 
 
-def test_the_ranking_settings_games_are_the_first_of_each_type_and_every_held_out_game(tmp_path):
+def test_the_ranking_settings_games_are_the_first_of_each_type_and_every_held_out_game(tmp_path, monkeypatch):
     """agents.rank_games copies the first RANK_GAMES_PER_TYPE training games of each short task type (sorted order)
     and every valid_seen / valid_unseen game of those types, in ALFWorld's layout, once; the `rank` setting trains
     and evaluates with the short setting's preset on them."""
     from benchmarks.learning import agents, runs
 
     source = offline.tiny_agent_games()  # the generator's first 12 games stand in for the 240-game set
+    monkeypatch.setattr(agents, "RANK_GAMES_PER_TYPE", 2)  # all it has of each type (the 240-game set: 32)
     games = agents.rank_games(tmp_path, source)
     types = agents.RANK_RECIPE.task_types
     def playable(root, split):
@@ -270,7 +271,7 @@ def test_the_ranking_settings_games_are_the_first_of_each_type_and_every_held_ou
     for split in common.SPLITS:
         wanted = playable(source, split)
         if split == "train":
-            wanted = [g for t in types for g in [g for g in wanted if common.load_task_type(g) == t][:16]]
+            wanted = [g for t in types for g in [g for g in wanted if common.load_task_type(g) == t][:2]]
             assert len(wanted) == 4  # the 12-game set's look_at and pick_and_place training games
         copied = playable(games, split)
         assert [Path(g).relative_to(games) for g in copied] == sorted(Path(g).relative_to(source) for g in wanted)
@@ -279,6 +280,25 @@ def test_the_ranking_settings_games_are_the_first_of_each_type_and_every_held_ou
     assert runs.SETTINGS["rank"] == (agents.RANK_AGENT, "learning") and runs.recipe("rank").max_turns == 6
     command = runs.algorithm_command("grpo@5e-4", 1, 12, tmp_path / "warm", games, tmp_path, "rank", 12)
     assert command[:2] == ["adca_grpo.py", "learning"] and command[command.index("--data-root") + 1] == str(games)
+
+
+def test_copied_games_take_each_types_first_games_from_the_sources_in_turn(tmp_path):
+    """agents.copy_games (the generalisation points' games): per type, the first training games of sources[0], then of
+    sources[1] (trial folders suffixed -set1), the held-out games of sources[0] only; too few games: an error, nothing
+    made."""
+    from benchmarks.learning import agents
+
+    source = offline.tiny_agent_games()  # 2 look_at and 2 pick_and_place training games
+    types = agents.RANK_RECIPE.task_types
+    with pytest.raises(ValueError, match="short of 5"):
+        agents.copy_games(tmp_path / "five", [source, source], 5, types)
+    assert not (tmp_path / "five").exists()
+    games = agents.copy_games(tmp_path / "four", [source, source], 4, types)
+    first = [Path(g).relative_to(source) for g in common.discover_games(source, "train", types)]
+    copied = [Path(g).relative_to(games) for g in common.discover_games(games, "train", types)]
+    again = [path.parent.with_name(path.parent.name + "-set1") / path.name for path in first]
+    assert sorted(copied) == sorted(first + again) and len(copied) == 8
+    assert all(Path(games, c).read_bytes() == Path(source, f).read_bytes() for c, f in zip(sorted(again), sorted(first)))
 
 
 def test_the_held_out_table_reports_the_start_and_each_arms_ends_on_unseen_games():
@@ -299,3 +319,27 @@ def test_the_held_out_table_reports_the_start_and_each_arms_ends_on_unseen_games
     assert len(rows) == 4  # tempo's ends were not evaluated held out
     without = {k: v for k, v in start.items() if k not in held}
     assert compare.heldout_summary({"start": without, "runs": runs}, ["grpo"]) == ""
+
+
+def test_the_generalisation_table_gives_each_points_cost_and_clopper_pearson_intervals():
+    """benchmarks/learning/generalise.py's table: a point's training games (both types), parameters, its clone's
+    steps and minutes (both stages) and final loss, and per split sampled success with its exact binomial interval over the episodes,
+    then greedy; a point not yet scored on every split is left out."""
+    from scipy import stats
+
+    from benchmarks.learning import generalise
+
+    def point(wins, episodes):
+        return {"sampled": wins, "greedy": [1, 0], "episodes": episodes}
+
+    clone = [{"steps": 990, "final_loss": 0.18, "seconds": 1500}, {"steps": 2416, "final_loss": 0.04, "seconds": 2280}]
+    done = {"parameters": 912_000, "clone": clone, "train": point([3, 1], 8)}
+    done |= {"valid_seen": point([0, 0], 16), "valid_unseen": point([2, 0], 16)}
+    results = {"g16-h128": done, "g32-h128": {"parameters": 912_000, "clone": clone, "train": point([8, 8], 8)}}
+    rows = generalise.table(results).splitlines()
+    assert len(rows) == 3  # g32-h128 has no held-out evaluation yet
+    unseen = stats.binomtest(2, 32).proportion_ci()
+    assert rows[2] == (
+        f"| g16-h128 | 32 | 0.9M | 3,406 steps, loss 0.040, 63 min | 0.25 [0.07, 0.52] / 0.50 | "
+        f"0.00 [0.00, 0.11] / 0.50 | 0.06 [{unseen.low:.2f}, {unseen.high:.2f}] / 0.50 |"
+    )

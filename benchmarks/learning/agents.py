@@ -21,6 +21,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Sequence
 
 import common
 import offline
@@ -42,28 +43,42 @@ RANK_RECIPE = offline.TinyAgentRecipe(
     dir_prefix="rank-warm-start",
 )
 RECIPES = {**offline.TINY_AGENTS, RANK_AGENT: RANK_RECIPE}
+HELDOUT_SPLITS = ("valid_seen", "valid_unseen")  # the games of the same task types that no run trains on
 
 
 def rank_games(root: str | Path = CACHE, source: str | Path | None = None) -> Path:
     """root/rank-games: copies of the first RANK_GAMES_PER_TYPE training games of each of RANK_RECIPE's task types in
     the generated 240-game set (source: offline.default_data_root()), and every valid_seen / valid_unseen game of those
     types (8 and 8), in ALFWorld's layout; made once."""
-    games = Path(root) / "rank-games"
+    sources = [Path(source or offline.default_data_root())]
+    return copy_games(Path(root) / "rank-games", sources, RANK_GAMES_PER_TYPE, RANK_RECIPE.task_types)
+
+
+def copy_games(games: Path, sources: Sequence[Path], per_type: int, task_types: Sequence[str]) -> Path:
+    """games/: copies of the first `per_type` training games of each task type, taken from `sources` in turn (each in
+    discover_games' sorted order; a game of sources[k], k >= 1, in a trial folder suffixed `-setK`), and every
+    valid_seen / valid_unseen game of those types in sources[0], in ALFWorld's layout; made once. Raises when the
+    sources hold fewer training games of a type."""
     if (games / "json_2.1.1").is_dir():
         return games
-    source = Path(source or offline.default_data_root())
-    tmp = games.with_name(f"{games.name}.tmp{os.getpid()}")
-    for split in common.SPLITS:
+    wanted, copies = dict.fromkeys(task_types, per_type), []  # (source, game file, trial folder suffix)
+    for k, source in enumerate(sources):
+        for file in common.discover_games(source, "train", task_types):
+            task_type = common.load_task_type(file)
+            if wanted[task_type]:
+                wanted[task_type] -= 1
+                copies.append((source, Path(file), f"-set{k}" if k else ""))
+    if any(wanted.values()):
+        raise ValueError(f"{[str(s) for s in sources]}: {wanted} training games short of {per_type} a type")
+    for split in HELDOUT_SPLITS:
         try:
-            files = common.discover_games(source, split, RANK_RECIPE.task_types)
+            copies += [(sources[0], Path(f), "") for f in common.discover_games(sources[0], split, task_types)]
         except FileNotFoundError:  # no game of these types in the split (the 240-game set has 8 in each)
-            continue
-        if split == "train":
-            by_type = {t: [f for f in files if common.load_task_type(f) == t] for t in RANK_RECIPE.task_types}
-            files = [f for t in RANK_RECIPE.task_types for f in by_type[t][:RANK_GAMES_PER_TYPE]]
-        for file in map(Path, files):
-            trial = file.parent
-            shutil.copytree(trial, tmp / trial.relative_to(source))
+            pass
+    tmp = games.with_name(f"{games.name}.tmp{os.getpid()}")
+    for source, file, suffix in copies:
+        trial = file.parent.relative_to(source)
+        shutil.copytree(file.parent, tmp / trial.with_name(trial.name + suffix))
     os.replace(tmp, games)
     return games
 
@@ -73,11 +88,14 @@ def agent_games(root: str | Path, name: str) -> Path:
     return rank_games(root) if name == RANK_AGENT else offline.tiny_agent_games(root, name)
 
 
-def base_model(root: str | Path = CACHE) -> Path:
-    """The random Qwen2 every tiny agent starts from (hidden 128, 4 layers, 2 KV heads), built once into root."""
-    model = Path(root) / "base-model"
+def base_model(root: str | Path = CACHE, hidden_size: int = 128) -> Path:
+    """The random Qwen2 every tiny agent starts from (hidden 128, intermediate 3x, 4 layers, 2 KV heads: 0.9M), or a
+    wider one (benchmarks/learning/generalise.py), built once into root."""
+    model = Path(root) / ("base-model" if hidden_size == 128 else f"base-model-h{hidden_size}")
     if not (model / "model.safetensors").is_file():
-        offline.build_tiny_model(model, seed=0, hidden_size=128, intermediate_size=384, num_layers=4)
+        offline.build_tiny_model(
+            model, seed=0, hidden_size=hidden_size, intermediate_size=3 * hidden_size, num_layers=4
+        )
     return model
 
 

@@ -45,7 +45,6 @@ import tyro
 
 import common
 import harness
-import offline
 import samplers
 from benchmarks.learning import agents, critic
 from benchmarks.learning.runs import (
@@ -185,9 +184,6 @@ class Evaluator:
             result[mode] = [sum(t.won for t in group) for group in groups]  # wins per game
         result["episodes"] = episodes
         return result
-
-
-HELDOUT_SPLITS = ("valid_seen", "valid_unseen")  # --heldout-episodes: games of the task types that no run trains on
 
 
 def success(point: dict, mode: str = "sampled") -> float:
@@ -380,7 +376,7 @@ def heldout_summary(results: dict, arms: Sequence[str]) -> str:
     task types), at the start and at each arm's end, means over the seeds evaluated there: sampled (wins / episodes)
     and greedy (games won / games)."""
     start = results["start"]
-    splits = [split for split in HELDOUT_SPLITS if split in start]
+    splits = [split for split in agents.HELDOUT_SPLITS if split in start]
     if not splits:
         return ""
 
@@ -541,7 +537,8 @@ def mean_curve(runs: list[dict], with_critic: bool = False) -> list[tuple[float,
             continue
         values = [success(p) for p in points]
         tokens = statistics.fmean(
-            p["tokens"] + (critic_tokens_until(r, update) if with_critic else 0) for r, p in zip(runs, points)
+            p["tokens"] + (tokens_until(r, update, "critic/generated_tokens") if with_critic else 0)
+            for r, p in zip(runs, points)
         )
         curve.append((tokens, statistics.fmean(values), statistics.pstdev(values)))
     return curve
@@ -670,7 +667,7 @@ def main(args: Args) -> None:
     game_files = common.discover_games(games, "train", task_types)
     evaluate = Evaluator(warm, game_files, args)
     heldout = {
-        split: Evaluator(warm, common.discover_games(games, split, task_types), args) for split in HELDOUT_SPLITS
+        split: Evaluator(warm, common.discover_games(games, split, task_types), args) for split in agents.HELDOUT_SPLITS
     } if args.heldout_episodes else {}  # fmt: skip
 
     def evaluate_heldout(point: dict, checkpoint: Path | None) -> bool:
