@@ -343,3 +343,13 @@ def test_the_generalisation_table_gives_each_points_cost_and_clopper_pearson_int
         f"| g16-h128 | 32 | 0.9M | 3,406 steps, loss 0.040, 63 min | 0.25 [0.07, 0.52] / 0.50 | "
         f"0.00 [0.00, 0.11] / 0.50 | 0.06 [{unseen.low:.2f}, {unseen.high:.2f}] / 0.50 |"
     )
+
+
+def test_the_report_writes_the_table_and_the_plots(tmp_path):
+    """compare.report, as at the end of compare.py (or --report-only): learning.md holds the summary table and
+    learning.png / tempo_critic.png are drawn (the curves of tokens with and without TEMPO's critic's)."""
+    start = {"sampled": [8, 0, 0, 0], "greedy": [1, 0, 0, 0], "episodes": 16, "tokens": 0}
+    results = {"start": start, "runs": summary_runs(start, [(8, 4, 6), (16, 8, 10)])}
+    compare.report(results, tmp_path, compare.Args(algorithms=("grpo", "tempo")))
+    assert (tmp_path / "learning.md").read_text().startswith(compare.summarise(results, ["grpo", "tempo"]))
+    assert (tmp_path / "learning.png").stat().st_size > 0 and (tmp_path / "tempo_critic.png").stat().st_size > 0

@@ -8,8 +8,8 @@ pools (an arm's runs from several folders, each seed once, all from one warm sta
 which seeds, and the arm the others are compared with (compare.summarise: n, Welch's t intervals, the change's with
 the start's own episodes counted, a percentile bootstrap interval and the Mann-Whitney p beside Welch's, the smallest
 difference detectable at 80% power at the sd it states, provenance). A table pools seeds of several folders only where
-the arm's runs have identical flags (compare.check_poolable) and one warm start's evaluation. tests/test_docs.py fails
-when a page's table is stale.
+the arm's runs have identical flags (compare.check_poolable) and one warm start's evaluation. The generalisation table
+is benchmarks/learning/generalise.py's own (its results.json). tests/test_docs.py fails when a page's table is stale.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.learning import compare
+from benchmarks.learning import compare, generalise
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -87,7 +87,7 @@ TABLES = {
     "rank-tuning": Table(
         "docs/does-it-learn.md",
         # a folder per arm: the grids ran as parallel processes (each folder's start copied: the same evaluation)
-        tuple(f"rank-tuning{arm}/{RANK}" for arm in ("", "-gigpo", "-tempo")),
+        tuple(f"rank-tuning{arm}/{RANK}" for arm in ("", "-gigpo", "-tempo", "-tempo-b")),
         tuple((f"{arm}{lr}", f"{arm}, lr {lr[1:] or '1e-3'}") for arm in RANK_ARMS for lr in ("@3e-4", "@5e-4", "")),
         (1, 2, 3),
         "grpo, lr 1e-3",  # GRPO's chosen lr (the highest mean end on seeds 1-3)
@@ -180,16 +180,24 @@ def marked(name: str) -> re.Pattern:
     return re.compile(rf"(<!-- table: {re.escape(name)} -->\n)(.*?)(<!-- /table -->)", re.S)
 
 
+def generalisation() -> str:
+    """benchmarks/learning/generalise.py's table: warm starts against success on games they never trained on."""
+    results = json.loads((RESULTS / "generalisation" / "results.json").read_text())
+    return f"{generalise.table(results)}\n(from `benchmarks/results/generalisation/results.json`)\n"
+
+
 def regenerate(check: bool = False) -> list[str]:
     """Rewrite each table in its page (check: only compare); returns the names of the tables that differed."""
     stale = []
-    for name, table in TABLES.items():
-        page = ROOT / table.page
+    tables = {name: (table.page, lambda table=table: render(table)) for name, table in TABLES.items()}
+    tables["generalisation"] = ("docs/does-it-learn.md", generalisation)
+    for name, (page_name, fresh_text) in tables.items():
+        page = ROOT / page_name
         text = page.read_text()
         match = marked(name).search(text)
         if match is None:
-            raise ValueError(f"{table.page}: no <!-- table: {name} --> ... <!-- /table --> markers")
-        fresh = render(table)
+            raise ValueError(f"{page_name}: no <!-- table: {name} --> ... <!-- /table --> markers")
+        fresh = fresh_text()
         if match.group(2) != fresh:
             stale.append(name)
             if not check:
