@@ -92,6 +92,19 @@ TABLES = {
         (1, 2, 3),
         "grpo, lr 1e-3",  # GRPO's chosen lr (the highest mean end on seeds 1-3)
     ),
+    "rank-held-out": Table(
+        "docs/does-it-learn.md",
+        tuple(f"rank-held-out{arm}/{RANK}" for arm in ("", "-tempo", "-tempo-b")),
+        (
+            ("grpo", "grpo, lr 1e-3"),
+            ("gigpo", "gigpo, lr 1e-3"),
+            ("tempo@3e-4", "tempo, lr 3e-4"),
+            ("tempo@5e-4", "tempo, lr 5e-4"),
+            ("tempo", "tempo, lr 1e-3"),
+        ),
+        tuple(range(4, 10)),
+        "grpo, lr 1e-3",
+    ),
     "long-tuning-seeds": Table(
         "docs/does-it-learn.md",
         (f"tempo-selection/{E16}",),
