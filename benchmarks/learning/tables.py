@@ -94,13 +94,12 @@ TABLES = {
     ),
     "rank-held-out": Table(
         "docs/does-it-learn.md",
-        tuple(f"rank-held-out{arm}/{RANK}" for arm in ("", "-tempo", "-tempo-b")),
-        (
+        (*(f"rank-held-out{arm}/{RANK}" for arm in ("", "-tempo", "-tempo-b")), f"rank-oracle/{RANK}"),
+        (  # each at the lr its grid chose (rank-tuning)
             ("grpo", "grpo, lr 1e-3"),
             ("gigpo", "gigpo, lr 1e-3"),
-            ("tempo@3e-4", "tempo, lr 3e-4"),
             ("tempo@5e-4", "tempo, lr 5e-4"),
-            ("tempo", "tempo, lr 1e-3"),
+            ("tempo_oracle16@5e-4", "tempo, endpoints valued by 16 continuations (the exact oracle), lr 5e-4"),
         ),
         tuple(range(4, 10)),
         "grpo, lr 1e-3",
