@@ -298,7 +298,8 @@ def test_copied_games_take_each_types_first_games_from_the_sources_in_turn(tmp_p
     copied = [Path(g).relative_to(games) for g in common.discover_games(games, "train", types)]
     again = [path.parent.with_name(path.parent.name + "-set1") / path.name for path in first]
     assert sorted(copied) == sorted(first + again) and len(copied) == 8
-    assert all(Path(games, c).read_bytes() == Path(source, f).read_bytes() for c, f in zip(sorted(again), sorted(first)))
+    pairs = zip(sorted(again), sorted(first))
+    assert all(Path(games, c).read_bytes() == Path(source, f).read_bytes() for c, f in pairs)
 
 
 def test_the_held_out_table_reports_the_start_and_each_arms_ends_on_unseen_games():
@@ -323,8 +324,8 @@ def test_the_held_out_table_reports_the_start_and_each_arms_ends_on_unseen_games
 
 def test_the_generalisation_table_gives_each_points_cost_and_clopper_pearson_intervals():
     """benchmarks/learning/generalise.py's table: a point's training games (both types), parameters, its clone's
-    steps and minutes (both stages) and final loss, and per split sampled success with its exact binomial interval over the episodes,
-    then greedy; a point not yet scored on every split is left out."""
+    steps and minutes (both stages) and final loss, and per split sampled success with its exact binomial interval
+    over the episodes, then greedy; a point not yet scored on every split is left out."""
     from scipy import stats
 
     from benchmarks.learning import generalise

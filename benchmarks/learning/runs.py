@@ -61,8 +61,9 @@ ALGORITHMS = {
     # the ablation of the critic: each endpoint valued by the mean return of one continuation of the episode by the
     # current policy (never trained), the critic still trained on the start states as in the preset
     "tempo_oracle": ("tempo.py", ["--endpoint-values", "rollout"]),
-    # the exact oracle (issue 53): each endpoint valued by 16 continuations, whose standard error (at most 0.125, logged as
-    # td/oracle_value_se_mean) is to be small against the spread of the values across endpoints (td/oracle_value_sd)
+    # the exact oracle (issue 53): each endpoint valued by 16 continuations, whose standard error (at most 0.125,
+    # logged as td/oracle_value_se_mean) is to be small against the spread of the values across endpoints
+    # (td/oracle_value_sd)
     "tempo_oracle16": ("tempo.py", ["--endpoint-values", "rollout", "--endpoint-samples", "16"]),
     # the critic rewarded by the squared error (best answer: the mean of its targets, not their median)
     "tempo_squared": ("tempo.py", ["--critic-error", "squared"]),
