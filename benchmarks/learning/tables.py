@@ -28,7 +28,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 E16 = "long-full-last-stage-critic-e16"  # the long setting's warm start before 2026-12-03 (lost: not rebuilt alike)
 SHIPPED = "long-full-long-warm-start"  # its successor, shipped in assets/long-warm-start
 RANK = "rank-full-rank-agent"  # the ranking setting from assets/rank-agent
-RANK_ARMS = ("grpo", "gigpo", "tempo")  # the arms that rank (issue 53), each tuned on seeds 1-3
+RANK_ARMS = ("grpo", "gigpo", "tempo", "ppo")  # the arms that rank (issue 53), each tuned on seeds 1-3
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,7 @@ TABLES = {
     "rank-tuning": Table(
         "docs/does-it-learn.md",
         # a folder per arm: the grids ran as parallel processes (each folder's start copied: the same evaluation)
-        tuple(f"rank-tuning{arm}/{RANK}" for arm in ("", "-gigpo", "-tempo", "-tempo-b")),
+        tuple(f"rank-tuning{arm}/{RANK}" for arm in ("", "-gigpo", "-tempo", "-tempo-b", "-ppo")),
         tuple((f"{arm}{lr}", f"{arm}, lr {lr[1:] or '1e-3'}") for arm in RANK_ARMS for lr in ("@3e-4", "@5e-4", "")),
         (1, 2, 3),
         "grpo, lr 1e-3",  # GRPO's chosen lr (the highest mean end on seeds 1-3)
