@@ -109,16 +109,22 @@ def build(
     games = agent_games(root, name)
     if shipped and (offline.SHIPPED_AGENTS_DIR / name / "model.safetensors").is_file():
         return offline.SHIPPED_AGENTS_DIR / name, games
-    model = base_model(root)
-    for stage, (flags, seed) in enumerate(recipe.stages, 1):
-        path = root / f"{recipe.dir_prefix}-stage{stage}"
+    return clone(name, base_model(root), games, root / recipe.dir_prefix, threads)[-1], games
+
+
+def clone(name: str, model: Path, games: Path, prefix: Path, threads: int = 1) -> list[Path]:
+    """The sft.py stages of the tiny agent `name`'s recipe from `model` on `games`, into PREFIX-stage1, -stage2, ...
+    (each cached: a stage whose sft.json exists is not run again; a killed one restarts); their directories."""
+    stages = []
+    for stage in range(1, len(RECIPES[name].stages) + 1):
+        path = prefix.with_name(f"{prefix.name}-stage{stage}")
         if not (path / "sft.json").is_file():
-            print(f"[{name}] warm start stage {stage}/{len(recipe.stages)} into {path} (once)", file=sys.stderr)
+            print(f"[{name}] warm start stage {stage} into {path} (once)", file=sys.stderr)
             env = {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
             command = stage_command(name, stage, model, path, games)
             subprocess.run([sys.executable, *command], cwd=ROOT, env=env, check=True)
-        model = path
-    return model, games
+        stages.append(model := path)
+    return stages
 
 
 def stage_command(

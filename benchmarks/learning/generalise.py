@@ -18,8 +18,6 @@ import argparse
 import json
 import math
 import os
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,21 +58,14 @@ def games(point: Point, root: Path) -> Path:
 
 
 def clone(name: str, point: Point, root: Path, threads: int) -> list[dict]:
-    """Build the point's warm start (rank-agent's stages: agents.stage_command) into root; each stage's sft.json
-    summary (optimizer steps, final loss, wall seconds), in stage order. g16-h128 is rank-agent's own cached build."""
-    model = agents.base_model(root, point.hidden_size)
+    """Build the point's warm start (rank-agent's stages, agents.clone) into root; each stage's sft.json summary
+    (optimizer steps, final loss, wall seconds), in stage order. g16-h128 is rank-agent's own cached build."""
     prefix = agents.RANK_RECIPE.dir_prefix if name == "g16-h128" else f"generalise-{name}"
+    model = agents.base_model(root, point.hidden_size)
     stages = []
-    for stage in range(1, len(agents.RANK_RECIPE.stages) + 1):
-        path = root / f"{prefix}-stage{stage}"
-        if not (path / "sft.json").is_file():
-            compare.log(f"{name}: clone stage {stage} into {path}")
-            env = {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
-            command = agents.stage_command(agents.RANK_AGENT, stage, model, path, games(point, root))
-            subprocess.run([sys.executable, *command], cwd=agents.ROOT, env=env, check=True)
+    for path in agents.clone(agents.RANK_AGENT, model, games(point, root), root / prefix, threads):
         summary = json.loads((path / "sft.json").read_text())
         stages.append({k: summary[k] for k in ("steps", "final_loss", "seconds")} | {"path": str(path)})
-        model = path
     return stages
 
 
