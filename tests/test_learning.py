@@ -346,6 +346,46 @@ def test_the_generalisation_table_gives_each_points_cost_and_clopper_pearson_int
     )
 
 
+def test_a_folder_shares_another_folders_start_and_refuses_another_evaluation(tmp_path):
+    """--start-from: a folder filled beside another takes its warm start's evaluation (one evaluation: poolable) and
+    keeps its own where that is the same one; a source not yet evaluated, or a start evaluated apart, is refused."""
+    start = {"sampled": [8, 0, 0, 0], "greedy": [1, 0, 0, 0], "episodes": 16, "tokens": 0, "warm_start_sha256": "ab"}
+    source = tmp_path / "results.json"
+    with pytest.raises(FileNotFoundError, match="--start-from"):
+        compare.shared_start({"runs": {}}, source)
+    source.write_text(json.dumps({"runs": {}, "start": start}))
+    assert compare.shared_start({"runs": {}}, source) == start
+    own = {**start, "valid_seen": {"sampled": [0, 0], "greedy": [0, 0], "episodes": 16}}
+    assert compare.shared_start({"runs": {}, "start": own}, source) is own
+    with pytest.raises(ValueError, match="not poolable"):
+        compare.shared_start({"runs": {}, "start": {**start, "sampled": [7, 0, 0, 0]}}, source)
+
+
+def test_the_lr_rule_chooses_the_highest_mean_end_once_the_grid_is_complete(tmp_path):
+    """tables.chosen_lr: of an arm's grid, the lr with the highest mean end over the table's seeds (not the best
+    single seed); an lr with a seed missing, or an arm with no grid, is refused."""
+    from benchmarks.learning import tables
+
+    start = {"sampled": [8, 0, 0, 0], "greedy": [1, 0, 0, 0], "episodes": 16, "tokens": 0}
+
+    def run(name, seed, wins):
+        end = {"update": 12, "sampled": [wins, 0, 0, 0], "greedy": [1, 0, 0, 0], "episodes": 8, "tokens": 1000}
+        return {"algorithm": name, "seed": seed, "points": [start, end]}
+
+    grid = {"ppo@3e-4": (10, 2), "ppo": (4, 6)}  # means 6 and 5 wins: 3e-4, though seed 2 favours 1e-3
+    runs = {f"{name}-s{seed}": run(name, seed, wins) for name, ends in grid.items() for seed, wins in enumerate(ends, 1)}
+    arms = (("ppo@3e-4", "ppo, lr 3e-4"), ("ppo", "ppo, lr 1e-3"), ("grpo", "grpo"))
+    table = tables.Table("docs/does-it-learn.md", (str(tmp_path),), arms, (1, 2), "grpo")
+    (tmp_path / "results.json").write_text(json.dumps({"runs": runs, "start": start}))
+    assert tables.chosen_lr(table, "ppo") == "ppo@3e-4"
+    del runs["ppo-s2"]
+    (tmp_path / "results.json").write_text(json.dumps({"runs": runs, "start": start}))
+    with pytest.raises(ValueError, match="not complete"):
+        tables.chosen_lr(table, "ppo")
+    with pytest.raises(ValueError, match="not complete"):
+        tables.chosen_lr(table, "gigpo")
+
+
 def test_the_report_writes_the_table_and_the_plots(tmp_path):
     """compare.report, as at the end of compare.py (or --report-only): learning.md holds the summary table and
     learning.png / tempo_critic.png are drawn (the curves of tokens with and without TEMPO's critic's)."""

@@ -102,6 +102,9 @@ class Args:
     critic_eval: bool = False
     """score TEMPO's critic (and PPO's value head) against true V at the start and at each TEMPO (PPO) evaluation
     point (~4 min a point)"""
+    start_from: str = ""
+    """another --out whose results.json's warm-start evaluation this one shares (its setting and warm start): folders
+    filled side by side by parallel processes pool as one evaluation of one warm start; empty: evaluated here"""
     report_only: bool = False
     """only rewrite the table and plots from results.json (e.g. after stopping a run part way)"""
     reference: str = "grpo"
@@ -624,6 +627,19 @@ def critic_panel(results: dict, out: Path, arms: Sequence[str]) -> None:
     plt.close(fig)
 
 
+def shared_start(results: dict, source: Path) -> dict:
+    """The warm start's evaluation in source (another folder's results.json) as results' start: processes filling
+    folders side by side share one evaluation of one warm start (tables.pooled refuses folders whose starts differ).
+    Refuses a results whose own start is another evaluation."""
+    if not source.is_file():
+        raise FileNotFoundError(f"--start-from: no {source} (evaluate its warm start there first)")
+    start = json.loads(source.read_text())["start"]
+    own = results.get("start", start)
+    if any(own.get(key) != start.get(key) for key in ("sampled", "greedy", "episodes", "warm_start_sha256")):
+        raise ValueError(f"--start-from: this folder's start is another evaluation than {source}'s: not poolable")
+    return own
+
+
 def save(results_file: Path, results: dict, ours: set[str]) -> None:
     """Write results (with its warm start's "start") to results_file, merged with what the file holds: the runs of
     other algorithms or seeds (keys not in ours) and the warm start's entries (its critic panel) that a parallel
@@ -686,6 +702,8 @@ def main(args: Args) -> None:
     ours = {f"{name}-s{seed}" for name, seed in jobs}
 
     warm_sha256 = directory_sha256(warm)
+    if args.start_from:  # then checked against this warm start's hash below
+        results["start"] = shared_start(results, Path(args.start_from) / mode / "results.json")
     if "start" not in results:
         log("evaluating the warm start")
         results["start"] = {**evaluate(None, args.start_eval_episodes), "tokens": 0, "warm_start_sha256": warm_sha256}

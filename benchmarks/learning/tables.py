@@ -9,7 +9,8 @@ which seeds, and the arm the others are compared with (compare.summarise: n, Wel
 the start's own episodes counted, a percentile bootstrap interval and the Mann-Whitney p beside Welch's, the smallest
 difference detectable at 80% power at the sd it states, provenance). A table pools seeds of several folders only where
 the arm's runs have identical flags (compare.check_poolable) and one warm start's evaluation. The generalisation table
-is benchmarks/learning/generalise.py's own (its results.json). tests/test_docs.py fails when a page's table is stale.
+is benchmarks/learning/generalise.py's own (its results.json). tests/test_docs.py fails when a page's table is stale,
+and when the ranking table holds an arm at another lr than the one its grid chose (chosen_lr: the protocol's rule).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +30,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 E16 = "long-full-last-stage-critic-e16"  # the long setting's warm start before 2026-12-03 (lost: not rebuilt alike)
 SHIPPED = "long-full-long-warm-start"  # its successor, shipped in assets/long-warm-start
 RANK = "rank-full-rank-agent"  # the ranking setting from assets/rank-agent
-RANK_ARMS = ("grpo", "gigpo", "tempo", "ppo")  # the arms that rank (issue 53), each tuned on seeds 1-3
+RANK_ARMS = ("grpo", "gigpo", "tempo", "ppo", "adca_oracle")  # the arms that rank (issue 53), each tuned on seeds 1-3
 
 
 @dataclass(frozen=True)
@@ -86,8 +88,10 @@ TABLES = {
     # the ranking setting (issue 53): 32 training games, the short recipe, rank-agent (benchmarks/learning/agents.py)
     "rank-tuning": Table(
         "docs/does-it-learn.md",
-        # a folder per arm: the grids ran as parallel processes (each folder's start copied: the same evaluation)
-        tuple(f"rank-tuning{arm}/{RANK}" for arm in ("", "-gigpo", "-tempo", "-tempo-b", "-ppo")),
+        # a folder per arm (or stream): the grids ran as parallel processes, each folder's start rank-tuning's
+        tuple(
+            f"rank-tuning{arm}/{RANK}" for arm in ("", "-gigpo", "-tempo", "-tempo-b", "-ppo", "-ppo-b", "-adca", "-adca-b")
+        ),
         tuple((f"{arm}{lr}", f"{arm}, lr {lr[1:] or '1e-3'}") for arm in RANK_ARMS for lr in ("@3e-4", "@5e-4", "")),
         (1, 2, 3),
         "grpo, lr 1e-3",  # GRPO's chosen lr (the highest mean end on seeds 1-3)
@@ -184,6 +188,22 @@ def pooled(table: Table) -> dict:
                     raise ValueError(f"{key}: in two of {table.folders}: a seed is pooled once")
                 merged["runs"][key] = {**run, "algorithm": labels[run["algorithm"]]}
     return merged
+
+
+def chosen_lr(table: Table, arm: str) -> str:
+    """The protocol's lr rule: of arm's grid in table (arm, arm@LR, ...), the name with the highest mean end over the
+    table's seeds. Refuses a grid with a run missing or unfinished: an lr is chosen once the whole grid has run."""
+    names = {label: name for name, label in table.arms}
+    grid = [name for name, _ in table.arms if name.partition("@")[0] == arm]
+    ends: dict[str, list[float]] = {name: [] for name in grid}
+    for run in pooled(table)["runs"].values():
+        name = names[run["algorithm"]]
+        if name in ends and compare.finished(run):
+            ends[name].append(compare.success(run["points"][-1]))
+    incomplete = [name for name in grid if len(ends[name]) < len(table.seeds)]
+    if not grid or incomplete:
+        raise ValueError(f"{arm}: its grid is not complete on seeds {table.seeds} ({incomplete or 'no lr'})")
+    return max(grid, key=lambda name: statistics.mean(ends[name]))
 
 
 def render(table: Table) -> str:
