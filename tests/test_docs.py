@@ -240,3 +240,12 @@ def test_the_learning_tables_in_the_docs_are_what_the_committed_results_give():
     from benchmarks.learning import tables
 
     assert tables.regenerate(check=True) == [], "stale tables: run `python -m benchmarks.learning.tables`"
+
+
+def test_the_ranking_table_holds_each_arm_at_the_lr_its_grid_chose():
+    """The protocol: each ranking arm's held-out runs are at the lr of the highest mean end on the tuning seeds."""
+    from benchmarks.learning import tables
+
+    held_out = [name for name, _ in tables.TABLES["rank-held-out"].arms]
+    for arm in tables.RANK_ARMS:
+        assert tables.chosen_lr(tables.TABLES["rank-tuning"], arm) in held_out, arm

@@ -99,10 +99,13 @@ TABLES = {
     "rank-held-out": Table(
         "docs/does-it-learn.md",
         tuple(f"{folder}/{RANK}" for folder in ("rank-held-out", "rank-held-out-tempo", "rank-held-out-tempo-b",
+                                                "rank-held-out-ppo", "rank-held-out-adca", "rank-held-out-adca-b",
                                                 "rank-oracle", "rank-oracle-b")),  # fmt: skip
         (  # each at the lr its grid chose (rank-tuning)
             ("grpo", "grpo, lr 1e-3"),
             ("gigpo", "gigpo, lr 1e-3"),
+            ("ppo", "ppo, lr 1e-3"),
+            ("adca_oracle", "adca_oracle, lr 1e-3"),
             ("tempo@5e-4", "tempo, lr 5e-4"),
             ("tempo_oracle16@5e-4", "tempo, endpoints valued by 16 continuations (the exact oracle), lr 5e-4"),
         ),
@@ -112,9 +115,17 @@ TABLES = {
     "rank-pooled": Table(  # seeds 1-3 chose these lrs: the winner's curse is in the pooled figures
         "docs/does-it-learn.md",
         tuple(f"{folder}/{RANK}" for folder in ("rank-tuning", "rank-tuning-gigpo", "rank-tuning-tempo",
-                                                "rank-tuning-tempo-b", "rank-held-out", "rank-held-out-tempo",
-                                                "rank-held-out-tempo-b")),  # fmt: skip
-        (("grpo", "grpo, lr 1e-3"), ("gigpo", "gigpo, lr 1e-3"), ("tempo@5e-4", "tempo, lr 5e-4")),
+                                                "rank-tuning-tempo-b", "rank-tuning-ppo", "rank-tuning-ppo-b",
+                                                "rank-tuning-adca", "rank-tuning-adca-b", "rank-held-out",
+                                                "rank-held-out-tempo", "rank-held-out-tempo-b", "rank-held-out-ppo",
+                                                "rank-held-out-adca", "rank-held-out-adca-b")),  # fmt: skip
+        (
+            ("grpo", "grpo, lr 1e-3"),
+            ("gigpo", "gigpo, lr 1e-3"),
+            ("ppo", "ppo, lr 1e-3"),
+            ("adca_oracle", "adca_oracle, lr 1e-3"),
+            ("tempo@5e-4", "tempo, lr 5e-4"),
+        ),
         tuple(range(1, 10)),
         "grpo, lr 1e-3",
     ),
