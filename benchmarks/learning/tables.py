@@ -90,11 +90,25 @@ TABLES = {
         "docs/does-it-learn.md",
         # a folder per arm (or stream): the grids ran as parallel processes, each folder's start rank-tuning's
         tuple(
-            f"rank-tuning{arm}/{RANK}" for arm in ("", "-gigpo", "-tempo", "-tempo-b", "-ppo", "-ppo-b", "-adca", "-adca-b")
+            f"rank-tuning{arm}/{RANK}"
+            for arm in ("", "-gigpo", "-tempo", "-tempo-b", "-ppo", "-ppo-b", "-adca", "-adca-b")
         ),
         tuple((f"{arm}{lr}", f"{arm}, lr {lr[1:] or '1e-3'}") for arm in RANK_ARMS for lr in ("@3e-4", "@5e-4", "")),
         (1, 2, 3),
         "grpo, lr 1e-3",  # GRPO's chosen lr (the highest mean end on seeds 1-3)
+    ),
+    "rank-lr-probe": Table(  # above the grid's top, which four arms chose: not part of the protocol's choice
+        "docs/does-it-learn.md",
+        tuple(f"{folder}/{RANK}" for folder in ("rank-tuning", "rank-tuning-ppo", "rank-tuning-ppo-b", "rank-lr-probe",
+                                                "rank-lr-probe-b")),  # fmt: skip
+        (
+            ("grpo", "grpo, lr 1e-3"),
+            ("grpo@2e-3", "grpo, lr 2e-3"),
+            ("ppo", "ppo, lr 1e-3"),
+            ("ppo@2e-3", "ppo, lr 2e-3"),
+        ),
+        (1, 2, 3),
+        "grpo, lr 1e-3",
     ),
     "rank-held-out": Table(
         "docs/does-it-learn.md",
