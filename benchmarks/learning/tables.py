@@ -99,13 +99,15 @@ TABLES = {
     ),
     "rank-lr-probe": Table(  # above the grid's top, which four arms chose: not part of the protocol's choice
         "docs/does-it-learn.md",
-        tuple(f"{folder}/{RANK}" for folder in ("rank-tuning", "rank-tuning-ppo", "rank-tuning-ppo-b", "rank-lr-probe",
-                                                "rank-lr-probe-b")),  # fmt: skip
-        (
-            ("grpo", "grpo, lr 1e-3"),
-            ("grpo@2e-3", "grpo, lr 2e-3"),
-            ("ppo", "ppo, lr 1e-3"),
-            ("ppo@2e-3", "ppo, lr 2e-3"),
+        tuple(f"{folder}/{RANK}" for folder in ("rank-tuning", "rank-tuning-gigpo", "rank-tuning-ppo",
+                                                "rank-tuning-ppo-b", "rank-tuning-adca", "rank-tuning-adca-b",
+                                                "rank-lr-probe", "rank-lr-probe-b", "rank-lr-probe-c",
+                                                "rank-lr-probe-d")),  # fmt: skip
+        tuple(
+            (f"{arm}{lr}", f"{arm}, lr {lr[1:] or '1e-3'}")
+            for arm in RANK_ARMS
+            if arm != "tempo"  # chose 5e-4, inside the grid
+            for lr in ("", "@2e-3")
         ),
         (1, 2, 3),
         "grpo, lr 1e-3",
