@@ -220,13 +220,10 @@ def pooled(table: Table) -> dict:
 def chosen_lr(table: Table, arm: str) -> str:
     """The protocol's lr rule: of arm's grid in table (arm, arm@LR, ...), the name with the highest mean end over the
     table's seeds. Refuses a grid with a run missing or unfinished: an lr is chosen once the whole grid has run."""
-    names = {label: name for name, label in table.arms}
+    results = pooled(table)  # its runs named by their labels
     grid = [name for name, _ in table.arms if name.partition("@")[0] == arm]
-    ends: dict[str, list[float]] = {name: [] for name in grid}
-    for run in pooled(table)["runs"].values():
-        name = names[run["algorithm"]]
-        if name in ends and compare.finished(run):
-            ends[name].append(compare.success(run["points"][-1]))
+    labels = dict(table.arms)
+    ends = {name: [compare.success(r["points"][-1]) for r in compare.arm_runs(results, labels[name])] for name in grid}
     incomplete = [name for name in grid if len(ends[name]) < len(table.seeds)]
     if not grid or incomplete:
         raise ValueError(f"{arm}: its grid is not complete on seeds {table.seeds} ({incomplete or 'no lr'})")
