@@ -95,7 +95,7 @@ def test_summary_reports_n_welch_intervals_the_detectable_difference_and_tokens(
     detectable = compare.detectable_difference(3, 3, spread)
     assert (
         f"| {difference:+.2f} [{welch.low:+.2f}, {welch.high:+.2f}] | [{boot_low:+.2f}, {boot_high:+.2f}] | "
-        f"{rank_p:.2f} | {detectable:.2f} ({spread:.2f}) |"
+        f"{rank_p:.2f} ({rank_p:.2f}) | {detectable:.2f} ({spread:.2f}) |"  # one comparison: Holm leaves its p
     ) in tempo_row
     # actor tokens, then + 24 updates x 10 critic tokens, then 24 x 3 oracle continuation tokens in a column apart
     assert "| 900 | 1,140 | 72 |" in tempo_row
@@ -111,6 +111,14 @@ def test_summary_reports_n_welch_intervals_the_detectable_difference_and_tokens(
         runs[f"grpo-s{seed}"]["points"][-1]["sampled"] = [1, 0, 0, 0]
     table = compare.summarise({"start": start, "runs": runs}, ["grpo", "tempo"])
     assert all("| - (grpo ended at or below the start) |" in row for row in table.splitlines()[2:4])
+
+
+def test_holm_multiplies_the_kth_smallest_p_by_the_hypotheses_left_and_keeps_the_order_monotone():
+    """The ranking table's four Mann-Whitney p's against GRPO, given out of order: 0.011 x 4, 0.043 x 3, then 0.26 x 2
+    = 0.52 and 0.37 x 1 kept at 0.52 (an adjusted p never falls below a smaller raw p's); a large family caps at 1."""
+    assert compare.holm([0.26, 0.011, 0.37, 0.043]) == pytest.approx([0.52, 0.044, 0.52, 0.129])
+    assert compare.holm([0.4, 0.5, 0.6]) == pytest.approx([1.0, 1.0, 1.0])
+    assert compare.holm([0.03]) == [0.03] and compare.holm([]) == []
 
 
 @pytest.mark.parametrize("sizes", [(2, 2), (2, 7), (5, 5), (10, 3), (40, 25)])

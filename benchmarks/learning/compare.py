@@ -267,6 +267,18 @@ def rank_test_p(a: Sequence[float], b: Sequence[float]) -> float:
     return float(stats.mannwhitneyu(a, b, alternative="two-sided", method=method).pvalue)
 
 
+def holm(p_values: Sequence[float]) -> list[float]:
+    """Holm's step-down adjustment of a family of p-values, in their order: the k-th smallest is multiplied by the
+    number of hypotheses not yet rejected (m - k + 1), capped at 1 and kept at least its predecessor's; each adjusted
+    p below the level rejects with the family-wise error rate held at it."""
+    order = sorted(range(len(p_values)), key=p_values.__getitem__)
+    adjusted, running = [0.0] * len(p_values), 0.0
+    for k, index in enumerate(order):
+        running = max(running, min(1.0, (len(p_values) - k) * p_values[index]))
+        adjusted[index] = running
+    return adjusted
+
+
 def detectable_difference(n_a: int, n_b: int, sd: float, level: float = 0.95, power: float = 0.8) -> float:
     """The smallest true difference of means that a two-sided two-sample t-test at `level` finds with probability
     `power`, for arms of n_a and n_b seeds whose values spread by `sd` (noncentral t)."""
@@ -318,27 +330,31 @@ def summarise(results: dict, arms: Sequence[str], reference: str = "grpo") -> st
     """Per arm: seeds n, start, midpoint (the evaluation at half the run's updates) and end sampled success, the change
     from the start with Welch's t interval that counts the start's own episodes (change_interval_with_start), the
     difference from the reference arm's end with Welch's t interval (95%), its percentile bootstrap interval and the
-    Mann-Whitney p-value, the smallest difference Welch's test detects at 80% power at the pooled sd it states, greedy
-    success, tokens (the actor's, with the critic's, and an oracle's continuations apart), and whether every run's
-    provenance is recorded."""
+    Mann-Whitney p-value (in brackets Holm's adjustment over the table's comparisons with the reference), the
+    smallest difference Welch's test detects at 80% power at the pooled sd it states, greedy success, tokens (the
+    actor's, with the critic's, and an oracle's continuations apart), and whether every run's provenance is
+    recorded."""
     start = results["start"]
     s0 = success(start)
     arms = {name: runs for name in arms if (runs := arm_runs(results, name))}
     for name, runs in arms.items():
         check_poolable(name, runs)
-    ref_runs = arms.get(reference)
-    ref_finals = [success(r["points"][-1]) for r in ref_runs] if ref_runs else []
+    ends = {name: [success(r["points"][-1]) for r in runs] for name, runs in arms.items()}
+    ref_runs, ref_finals = arms.get(reference), ends.get(reference, [])
     ref_mean = statistics.fmean(ref_finals) if ref_finals else None
     ref_tokens = statistics.fmean(r["points"][-1]["tokens"] for r in ref_runs) if ref_runs else None
+    compared = [n for n, finals in ends.items() if n != reference and len(finals) > 1 and len(ref_finals) > 1]
+    rank_ps = {name: rank_test_p(ends[name], ref_finals) for name in compared}
+    adjusted = dict(zip(rank_ps, holm(list(rank_ps.values()))))
     lines = [
         "| arm | n (seeds) | start | mid | end (mean ± std) | change [95% Welch t, start's episodes counted] | "
-        f"end - {reference} [95% Welch t] | [95% bootstrap] | Mann-Whitney p | detectable at 80% power (at sd) | "
+        f"end - {reference} [95% Welch t] | [95% bootstrap] | Mann-Whitney p (Holm) | detectable at 80% power (at sd) | "
         "end greedy | actor tokens | actor + critic tokens | oracle continuation tokens | "
         f"tokens to reach {reference}'s end (% of its tokens) | provenance |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, runs in arms.items():
-        finals = [success(r["points"][-1]) for r in runs]
+        finals = ends[name]
         mids = [success(p) for r in runs for p in r["points"] if p.get("update") == r["points"][-1]["update"] // 2]
         tokens = statistics.fmean(r["points"][-1]["tokens"] for r in runs)
         critic_tokens, oracle_tokens = (
@@ -354,11 +370,11 @@ def summarise(results: dict, arms: Sequence[str], reference: str = "grpo") -> st
             else:
                 hit = next((t for t, m, _ in mean_curve(runs) if m >= ref_mean), None)
                 reach = f"{hit:,.0f} ({hit / ref_tokens:.0%})" if hit is not None else "not reached"
-            if name != reference and len(finals) > 1 and len(ref_finals) > 1:
+            if name in rank_ps:
                 vs_reference = bracket(difference_interval(finals, ref_finals))
                 _, low, high = bootstrap_interval(finals, ref_finals)
                 boot = f"[{low:+.2f}, {high:+.2f}]"
-                rank_p = f"{rank_test_p(finals, ref_finals):.2f}"
+                rank_p = f"{rank_ps[name]:.2f} ({adjusted[name]:.2f})"
                 spread = pooled_sd(finals, ref_finals)
                 detectable = f"{detectable_difference(len(finals), len(ref_finals), spread):.2f} ({spread:.2f})"
         std = statistics.stdev(finals) if len(finals) > 1 else 0.0
