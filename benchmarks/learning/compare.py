@@ -166,6 +166,8 @@ class Evaluator:
         self.protocol = common.ChatProtocol(self.tokenizer)
 
     def __call__(self, checkpoint: Path | None, episodes: int) -> dict:
+        """Wins per game, sampled (`episodes` a game, T = 1) and greedy (one), and each mode's share of replies that
+        were admissible commands (a memorised command from other games is not: "Nothing happens.")."""
         import torch
         from peft import PeftModel
         from transformers import AutoModelForCausalLM
@@ -174,7 +176,7 @@ class Evaluator:
         if checkpoint is not None:
             model = PeftModel.from_pretrained(model, checkpoint).merge_and_unload()
         sampling, cap = dataclasses.replace(self.recipe, temperature=1.0, top_p=1.0), self.recipe.max_turns
-        result = {}
+        result, admissible = {}, {}
         for mode, branches in (("sampled", episodes), ("greedy", 1)):
             greedy = mode == "greedy"
             sample_fn = samplers.make_sampler(model, self.tokenizer, self.accelerator, sampling, greedy=greedy)
@@ -185,8 +187,9 @@ class Evaluator:
                     max_turn_tokens=sampling.max_turn_tokens, max_trajectory_tokens=sampling.max_trajectory_tokens,
                 )  # fmt: skip
             result[mode] = [sum(t.won for t in group) for group in groups]  # wins per game
-        result["episodes"] = episodes
-        return result
+            steps = [step for group in groups for t in group for step in t.steps]
+            admissible[mode] = sum(step.admissible for step in steps) / len(steps)  # replies the game could execute
+        return result | {"episodes": episodes, "admissible": admissible}
 
 
 def success(point: dict, mode: str = "sampled") -> float:

@@ -96,21 +96,21 @@ def evaluate(name: str, point: Point, root: Path, threads: int, entry: dict, sav
 
 def interval(point: dict) -> str:
     """Sampled success with its Clopper-Pearson 95% interval over the episodes pooled (games are clustered, so it is
-    narrower than one over games would be), and greedy success."""
+    narrower than one over games would be), greedy success, and the share of sampled replies that were admissible."""
     from scipy import stats
 
     wins, episodes = sum(point["sampled"]), len(point["sampled"]) * point["episodes"]
     ci = stats.binomtest(wins, episodes).proportion_ci()
     greedy = compare.success(point, "greedy")
-    return f"{wins / episodes:.2f} [{ci.low:.2f}, {ci.high:.2f}] / {greedy:.2f}"
+    return f"{wins / episodes:.2f} [{ci.low:.2f}, {ci.high:.2f}] / {greedy:.2f} ({point['admissible']['sampled']:.0%})"
 
 
 def table(results: dict) -> str:
     """One row a point: its training games, parameters, clone cost (steps and minutes of both stages, the last
     stage's final loss), and success on training and held-out games."""
     lines = [
-        "| warm start | training games | parameters | clone (both stages) | training games sampled "
-        "[95%] / greedy | valid_seen sampled [95%] / greedy | valid_unseen sampled [95%] / greedy |",
+        "| warm start | training games | parameters | clone (both stages) | training games sampled [95%] / greedy "
+        "(admissible replies) | valid_seen, the same | valid_unseen, the same |",
         "|---|---|---|---|---|---|---|",
     ]
     for name, entry in results.items():
