@@ -333,24 +333,25 @@ def test_the_held_out_table_reports_the_start_and_each_arms_ends_on_unseen_games
 def test_the_generalisation_table_gives_each_points_cost_and_clopper_pearson_intervals():
     """benchmarks/learning/generalise.py's table: a point's training games (both types), parameters, its clone's
     steps and minutes (both stages) and final loss, and per split sampled success with its exact binomial interval
-    over the episodes, then greedy; a point not yet scored on every split is left out."""
+    over the episodes, then greedy and the share of sampled replies that were admissible; a point not yet scored on
+    every split is left out."""
     from scipy import stats
 
     from benchmarks.learning import generalise
 
-    def point(wins, episodes):
-        return {"sampled": wins, "greedy": [1, 0], "episodes": episodes}
+    def point(wins, episodes, admissible=0.5):
+        return {"sampled": wins, "greedy": [1, 0], "episodes": episodes, "admissible": {"sampled": admissible}}
 
     clone = [{"steps": 990, "final_loss": 0.18, "seconds": 1500}, {"steps": 2416, "final_loss": 0.04, "seconds": 2280}]
     done = {"parameters": 912_000, "clone": clone, "train": point([3, 1], 8)}
-    done |= {"valid_seen": point([0, 0], 16), "valid_unseen": point([2, 0], 16)}
+    done |= {"valid_seen": point([0, 0], 16, 0.254), "valid_unseen": point([2, 0], 16, 0.3)}
     results = {"g16-h128": done, "g32-h128": {"parameters": 912_000, "clone": clone, "train": point([8, 8], 8)}}
     rows = generalise.table(results).splitlines()
     assert len(rows) == 3  # g32-h128 has no held-out evaluation yet
     unseen = stats.binomtest(2, 32).proportion_ci()
     assert rows[2] == (
-        f"| g16-h128 | 32 | 0.9M | 3,406 steps, loss 0.040, 63 min | 0.25 [0.07, 0.52] / 0.50 | "
-        f"0.00 [0.00, 0.11] / 0.50 | 0.06 [{unseen.low:.2f}, {unseen.high:.2f}] / 0.50 |"
+        f"| g16-h128 | 32 | 0.9M | 3,406 steps, loss 0.040, 63 min | 0.25 [0.07, 0.52] / 0.50 (50%) | "
+        f"0.00 [0.00, 0.11] / 0.50 (25%) | 0.06 [{unseen.low:.2f}, {unseen.high:.2f}] / 0.50 (30%) |"
     )
 
 
