@@ -31,6 +31,15 @@ E16 = "long-full-last-stage-critic-e16"  # the long setting's warm start before 
 SHIPPED = "long-full-long-warm-start"  # its successor, shipped in assets/long-warm-start
 RANK = "rank-full-rank-agent"  # the ranking setting from assets/rank-agent
 RANK_ARMS = ("grpo", "gigpo", "tempo", "ppo", "adca_oracle")  # the arms that rank (issue 53), each tuned on seeds 1-3
+RANK_GRID_FOLDERS = (  # the grid {3e-4, 5e-4, 1e-3}, then 2e-3 and 4e-3 for the arms that chose its top
+    "rank-tuning", "rank-tuning-gigpo", "rank-tuning-tempo", "rank-tuning-tempo-b", "rank-tuning-ppo", "rank-tuning-ppo-b",
+    "rank-tuning-adca", "rank-tuning-adca-b", "rank-lr-probe", "rank-lr-probe-b", "rank-lr-probe-c", "rank-lr-probe-d",
+    "rank-tuning-wide",
+)  # fmt: skip
+RANK_HELD_OUT_FOLDERS = (
+    "rank-held-out", "rank-held-out-tempo", "rank-held-out-tempo-b", "rank-held-out-ppo", "rank-held-out-adca",
+    "rank-held-out-adca-b", "rank-oracle", "rank-oracle-b", "rank-held-out-wide", "rank-held-out-wide-b",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -85,56 +94,49 @@ TABLES = {
         tuple(range(1, 11)),
         "grpo, lr 5e-4 (chosen on seeds 1-5)",
     ),
-    # the ranking setting (issue 53): 32 training games, the short recipe, rank-agent (benchmarks/learning/agents.py)
+    # the ranking setting (issue 53): 32 training games, the short recipe, rank-agent (benchmarks/learning/agents.py); a
+    # folder per stream (parallel processes), each folder's start rank-tuning's
     "rank-tuning": Table(
         "docs/does-it-learn.md",
-        # a folder per arm (or stream): the grids ran as parallel processes, each folder's start rank-tuning's
-        tuple(
-            f"rank-tuning{arm}/{RANK}"
-            for arm in ("", "-gigpo", "-tempo", "-tempo-b", "-ppo", "-ppo-b", "-adca", "-adca-b")
-        ),
-        tuple((f"{arm}{lr}", f"{arm}, lr {lr[1:] or '1e-3'}") for arm in RANK_ARMS for lr in ("@3e-4", "@5e-4", "")),
-        (1, 2, 3),
-        "grpo, lr 1e-3",  # GRPO's chosen lr (the highest mean end on seeds 1-3)
-    ),
-    "rank-lr-probe": Table(  # above the grid's top, which four arms chose: not part of the protocol's choice
-        "docs/does-it-learn.md",
-        tuple(f"{folder}/{RANK}" for folder in ("rank-tuning", "rank-tuning-gigpo", "rank-tuning-ppo",
-                                                "rank-tuning-ppo-b", "rank-tuning-adca", "rank-tuning-adca-b",
-                                                "rank-lr-probe", "rank-lr-probe-b", "rank-lr-probe-c",
-                                                "rank-lr-probe-d")),  # fmt: skip
+        tuple(f"{folder}/{RANK}" for folder in RANK_GRID_FOLDERS),
         tuple(
             (f"{arm}{lr}", f"{arm}, lr {lr[1:] or '1e-3'}")
             for arm in RANK_ARMS
-            if arm != "tempo"  # chose 5e-4, inside the grid
-            for lr in ("", "@2e-3")
+            for lr in ("@3e-4", "@5e-4", "", *(() if arm == "tempo" else ("@2e-3", "@4e-3")))
         ),
         (1, 2, 3),
-        "grpo, lr 1e-3",
+        "grpo, lr 2e-3",  # GRPO's chosen lr (the highest mean end on seeds 1-3)
     ),
     "rank-held-out": Table(
         "docs/does-it-learn.md",
-        tuple(f"{folder}/{RANK}" for folder in ("rank-held-out", "rank-held-out-tempo", "rank-held-out-tempo-b",
-                                                "rank-held-out-ppo", "rank-held-out-adca", "rank-held-out-adca-b",
-                                                "rank-oracle", "rank-oracle-b")),  # fmt: skip
+        tuple(f"{folder}/{RANK}" for folder in RANK_HELD_OUT_FOLDERS),
         (  # each at the lr its grid chose (rank-tuning)
-            ("grpo", "grpo, lr 1e-3"),
-            ("gigpo", "gigpo, lr 1e-3"),
-            ("ppo", "ppo, lr 1e-3"),
-            ("adca_oracle", "adca_oracle, lr 1e-3"),
+            ("grpo@2e-3", "grpo, lr 2e-3"),
+            ("gigpo@2e-3", "gigpo, lr 2e-3"),
+            ("ppo@2e-3", "ppo, lr 2e-3"),
+            ("adca_oracle@2e-3", "adca_oracle, lr 2e-3"),
             ("tempo@5e-4", "tempo, lr 5e-4"),
             ("tempo_oracle16@5e-4", "tempo, endpoints valued by 16 continuations (the exact oracle), lr 5e-4"),
         ),
         tuple(range(4, 10)),
-        "grpo, lr 1e-3",
+        "grpo, lr 2e-3",
     ),
     "rank-pooled": Table(  # seeds 1-3 chose these lrs: the winner's curse is in the pooled figures
         "docs/does-it-learn.md",
-        tuple(f"{folder}/{RANK}" for folder in ("rank-tuning", "rank-tuning-gigpo", "rank-tuning-tempo",
-                                                "rank-tuning-tempo-b", "rank-tuning-ppo", "rank-tuning-ppo-b",
-                                                "rank-tuning-adca", "rank-tuning-adca-b", "rank-held-out",
-                                                "rank-held-out-tempo", "rank-held-out-tempo-b", "rank-held-out-ppo",
-                                                "rank-held-out-adca", "rank-held-out-adca-b")),  # fmt: skip
+        tuple(f"{folder}/{RANK}" for folder in RANK_GRID_FOLDERS + RANK_HELD_OUT_FOLDERS),
+        (
+            ("grpo@2e-3", "grpo, lr 2e-3"),
+            ("gigpo@2e-3", "gigpo, lr 2e-3"),
+            ("ppo@2e-3", "ppo, lr 2e-3"),
+            ("adca_oracle@2e-3", "adca_oracle, lr 2e-3"),
+            ("tempo@5e-4", "tempo, lr 5e-4"),
+        ),
+        tuple(range(1, 10)),
+        "grpo, lr 2e-3",
+    ),
+    "rank-held-out-first-grid": Table(  # the first grid's choice (its top, 1e-3, for four arms): superseded
+        "docs/does-it-learn.md",
+        tuple(f"{folder}/{RANK}" for folder in RANK_HELD_OUT_FOLDERS),
         (
             ("grpo", "grpo, lr 1e-3"),
             ("gigpo", "gigpo, lr 1e-3"),
@@ -142,7 +144,7 @@ TABLES = {
             ("adca_oracle", "adca_oracle, lr 1e-3"),
             ("tempo@5e-4", "tempo, lr 5e-4"),
         ),
-        tuple(range(1, 10)),
+        tuple(range(4, 10)),
         "grpo, lr 1e-3",
     ),
     "long-tuning-seeds": Table(
