@@ -6,8 +6,8 @@
 A table sits in its page between `<!-- table: NAME -->` and `<!-- /table -->`. TABLES says which result folders it
 pools (an arm's runs from several folders, each seed once, all from one warm start), which arms under which labels,
 which seeds, and the arm the others are compared with (compare.summarise: n, Welch's t intervals, the change's with
-the start's own episodes counted, a percentile bootstrap interval and the Mann-Whitney p (Holm-adjusted beside it) by Welch's, the smallest
-difference detectable at 80% power at the sd it states, provenance). A table pools seeds of several folders only where
+the start's own episodes counted, a percentile bootstrap interval and the Mann-Whitney p with its Holm adjustment
+beside Welch's, the smallest difference detectable at 80% power at the sd it states, provenance). A table pools seeds of several folders only where
 the arm's runs have identical flags (compare.check_poolable) and one warm start's evaluation. The generalisation table
 is benchmarks/learning/generalise.py's own (its results.json). tests/test_docs.py fails when a page's table is stale,
 and when the ranking table holds an arm at another lr than the one its grid chose (chosen_lr: the protocol's rule).
