@@ -31,6 +31,7 @@ E16 = "long-full-last-stage-critic-e16"  # the long setting's warm start before 
 SHIPPED = "long-full-long-warm-start"  # its successor, shipped in assets/long-warm-start
 RANK = "rank-full-rank-agent"  # the ranking setting from assets/rank-agent
 RANK_ARMS = ("grpo", "gigpo", "tempo", "ppo", "adca_oracle")  # the arms that rank (issue 53), each tuned on seeds 1-3
+RANK_CHOSEN = ("grpo@2e-3", "gigpo@2e-3", "ppo@2e-3", "adca_oracle@2e-3", "tempo@5e-4")  # by chosen_lr on rank-tuning
 RANK_GRID_FOLDERS = (  # the grid {3e-4, 5e-4, 1e-3}, then 2e-3 and 4e-3 for the arms that chose its top
     "rank-tuning", "rank-tuning-gigpo", "rank-tuning-tempo", "rank-tuning-tempo-b", "rank-tuning-ppo", "rank-tuning-ppo-b",
     "rank-tuning-adca", "rank-tuning-adca-b", "rank-lr-probe", "rank-lr-probe-b", "rank-lr-probe-c", "rank-lr-probe-d",
@@ -40,6 +41,12 @@ RANK_HELD_OUT_FOLDERS = (
     "rank-held-out", "rank-held-out-tempo", "rank-held-out-tempo-b", "rank-held-out-ppo", "rank-held-out-adca",
     "rank-held-out-adca-b", "rank-oracle", "rank-oracle-b", "rank-held-out-wide", "rank-held-out-wide-b",
 )  # fmt: skip
+
+
+def rank_arm(name: str) -> tuple[str, str]:
+    """(name, label) of a ranking-setting arm: "ppo@2e-3" is "ppo, lr 2e-3"; without @LR an arm runs at 1e-3."""
+    arm, _, lr = name.partition("@")
+    return name, f"{arm}, lr {lr or '1e-3'}"
 
 
 @dataclass(frozen=True)
@@ -100,7 +107,7 @@ TABLES = {
         "docs/does-it-learn.md",
         tuple(f"{folder}/{RANK}" for folder in RANK_GRID_FOLDERS),
         tuple(
-            (f"{arm}{lr}", f"{arm}, lr {lr[1:] or '1e-3'}")
+            rank_arm(f"{arm}{lr}")
             for arm in RANK_ARMS
             for lr in ("@3e-4", "@5e-4", "", *(() if arm == "tempo" else ("@2e-3", "@4e-3")))
         ),
@@ -111,11 +118,7 @@ TABLES = {
         "docs/does-it-learn.md",
         tuple(f"{folder}/{RANK}" for folder in RANK_HELD_OUT_FOLDERS),
         (  # each at the lr its grid chose (rank-tuning)
-            ("grpo@2e-3", "grpo, lr 2e-3"),
-            ("gigpo@2e-3", "gigpo, lr 2e-3"),
-            ("ppo@2e-3", "ppo, lr 2e-3"),
-            ("adca_oracle@2e-3", "adca_oracle, lr 2e-3"),
-            ("tempo@5e-4", "tempo, lr 5e-4"),
+            *map(rank_arm, RANK_CHOSEN),
             ("tempo_oracle16@5e-4", "tempo, endpoints valued by 16 continuations (the exact oracle), lr 5e-4"),
         ),
         tuple(range(4, 10)),
@@ -124,26 +127,14 @@ TABLES = {
     "rank-pooled": Table(  # seeds 1-3 chose these lrs: the winner's curse is in the pooled figures
         "docs/does-it-learn.md",
         tuple(f"{folder}/{RANK}" for folder in RANK_GRID_FOLDERS + RANK_HELD_OUT_FOLDERS),
-        (
-            ("grpo@2e-3", "grpo, lr 2e-3"),
-            ("gigpo@2e-3", "gigpo, lr 2e-3"),
-            ("ppo@2e-3", "ppo, lr 2e-3"),
-            ("adca_oracle@2e-3", "adca_oracle, lr 2e-3"),
-            ("tempo@5e-4", "tempo, lr 5e-4"),
-        ),
+        tuple(map(rank_arm, RANK_CHOSEN)),
         tuple(range(1, 10)),
         "grpo, lr 2e-3",
     ),
     "rank-held-out-first-grid": Table(  # the first grid's choice (its top, 1e-3, for four arms): superseded
         "docs/does-it-learn.md",
         tuple(f"{folder}/{RANK}" for folder in RANK_HELD_OUT_FOLDERS),
-        (
-            ("grpo", "grpo, lr 1e-3"),
-            ("gigpo", "gigpo, lr 1e-3"),
-            ("ppo", "ppo, lr 1e-3"),
-            ("adca_oracle", "adca_oracle, lr 1e-3"),
-            ("tempo@5e-4", "tempo, lr 5e-4"),
-        ),
+        tuple(map(rank_arm, ("grpo", "gigpo", "ppo", "adca_oracle", "tempo@5e-4"))),
         tuple(range(4, 10)),
         "grpo, lr 1e-3",
     ),
