@@ -840,7 +840,10 @@ def tiny_agent_games(root: str | Path = DEFAULT_CACHE_DIR / "learning-benchmark"
         print(f"[{name}] generating its 12 games into {games} (once, {generation_time(12)})", file=sys.stderr)
         tmp = root / f"games.tmp{os.getpid()}"
         make_games(tmp, n=12, seed=0, log=lambda *a: None)
-        os.replace(tmp, games)
+        try:
+            os.replace(tmp, games)  # atomic; a concurrent generator wrote the same bytes
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
     return games
 
 
