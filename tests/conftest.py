@@ -11,10 +11,6 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 # vLLM's own default; importing trl (test_trl_peer.py, at collection) would otherwise set ERROR for every process the
 # suite starts, and the vLLM tests read the engine's INFO lines (its start, the adapters a server loaded)
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO")
-# `-n 2` (pytest-xdist, the README's command): two workers share the cores, so each runs torch, and every process it
-# starts, on one thread (threads fighting over cores made runs 20x slower)
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import common  # noqa: E402
 import offline  # noqa: E402

@@ -45,9 +45,10 @@ def test_one_turn_is_one_bounded_burst_of_concurrent_requests(tiny_model_dir, tr
     with TinyVllmServer(tiny_model_dir, delay_s=0.2) as slow:
         slow_args = server_args(args, slow.url, sampler_concurrency=3)
         sampler = samplers.make_sampler(model, tokenizer, accelerator, slow_args)
-        start = time.monotonic()
         assert len(sampler(chat_prompts(tokenizer, 6), 4)) == 6
-        assert slow.max_in_flight == 3 and time.monotonic() - start < 6 * 0.2 + 1.0
+        # one request a prompt, 3 of them at once and never more (speed is the benchmarks' business: a wall-clock bound
+        # here failed on a loaded machine)
+        assert slow.completions == 6 and slow.max_in_flight == 3
 
 
 def test_server_errors_are_retried_with_backoff(tiny_model_dir, trainer):
