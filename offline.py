@@ -443,6 +443,15 @@ def generation_time(n: int) -> str:
     return f"{'under a minute' if minutes < 1 else f'about {round(minutes * 2) / 2:g} min'} on {cores} idle cores"
 
 
+def publish(tmp: Path, final: Path) -> None:
+    """Move a finished cache folder into place atomically; where a concurrent maker got there first (same bytes), drop
+    this copy."""
+    try:
+        os.replace(tmp, final)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def default_data_root(
     n: int = DEFAULT_GAMES, seed: int = DEFAULT_GAMES_SEED, cache_dir: str | Path | None = None
 ) -> Path:
@@ -456,10 +465,7 @@ def default_data_root(
         desc = f"generating offline games into {root} (once, {generation_time(n)})"
         with tqdm(total=n, desc=desc, unit="game", file=sys.stderr) as bar:
             make_games(tmp, n, seed, log=lambda line: bar.update(line.startswith("game ")))
-        try:
-            os.replace(tmp, root)  # atomic; a concurrent generator wrote the same bytes
-        except OSError:
-            shutil.rmtree(tmp, ignore_errors=True)
+        publish(tmp, root)
     return root
 
 
@@ -840,10 +846,7 @@ def tiny_agent_games(root: str | Path = DEFAULT_CACHE_DIR / "learning-benchmark"
         print(f"[{name}] generating its 12 games into {games} (once, {generation_time(12)})", file=sys.stderr)
         tmp = root / f"games.tmp{os.getpid()}"
         make_games(tmp, n=12, seed=0, log=lambda *a: None)
-        try:
-            os.replace(tmp, games)  # atomic; a concurrent generator wrote the same bytes
-        except OSError:
-            shutil.rmtree(tmp, ignore_errors=True)
+        publish(tmp, games)
     return games
 
 

@@ -44,10 +44,7 @@ def resolve_model(model: str, cache_dir: str | Path = DEFAULT_CACHE_DIR) -> str:
     if not (path / "model.safetensors").is_file():
         tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
         offline.build_tiny_model(tmp)
-        try:
-            os.replace(tmp, path)  # atomic: a concurrent builder's copy is identical
-        except OSError:
-            shutil.rmtree(tmp, ignore_errors=True)
+        offline.publish(tmp, path)
     return str(path)
 
 
