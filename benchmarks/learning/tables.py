@@ -3,14 +3,15 @@
     python -m benchmarks.learning.tables            # rewrite every table in docs/ between its markers
     python -m benchmarks.learning.tables --check    # rewrite nothing; exit 1 naming each table that differs
 
-A table sits in its page between `<!-- table: NAME -->` and `<!-- /table -->`. TABLES says which result folders it
-pools (an arm's runs from several folders, each seed once, all from one warm start), which arms under which labels,
-which seeds, and the arm the others are compared with (compare.summarise: n, Welch's t intervals, the change's with
-the start's own episodes counted, a percentile bootstrap interval and the Mann-Whitney p with its Holm adjustment
-beside Welch's, the smallest difference detectable at 80% power at the sd it states, provenance). A table pools seeds of several folders only where
-the arm's runs have identical flags (compare.check_poolable) and one warm start's evaluation. The generalisation table
-is benchmarks/learning/generalise.py's own (its results.json). tests/test_docs.py fails when a page's table is stale,
-and when the ranking table holds an arm at another lr than the one its grid chose (chosen_lr: the protocol's rule).
+A table sits in its page between `<!-- table: NAME -->` and `<!-- /table -->`. TABLES says which result folders it pools
+(an arm's runs from several folders, each seed once, all from one warm start), which arms under which labels, which
+seeds, and the arm the others are compared with (compare.summarise: n, Welch's t intervals, the change's with the
+start's own episodes counted, a percentile bootstrap interval and the Mann-Whitney p with its Holm adjustment beside
+Welch's, the smallest difference detectable at 80% power at the sd it states, provenance). A table pools seeds of
+several folders only where the arm's runs have identical flags (compare.check_poolable) and one warm start's evaluation.
+The generalisation table is benchmarks/learning/generalise.py's own (its results.json). tests/test_docs.py fails when a
+page's table is stale, and when the ranking table holds an arm at another lr than the one its grid chose (chosen_lr: the
+protocol's rule).
 """
 
 from __future__ import annotations
@@ -33,9 +34,9 @@ RANK = "rank-full-rank-agent"  # the ranking setting from assets/rank-agent
 RANK_ARMS = ("grpo", "gigpo", "tempo", "ppo", "adca_oracle")  # the arms that rank (issue 53), each tuned on seeds 1-3
 RANK_CHOSEN = ("grpo@2e-3", "gigpo@2e-3", "ppo@2e-3", "adca_oracle@2e-3", "tempo@5e-4")  # by chosen_lr on rank-tuning
 RANK_GRID_FOLDERS = (  # the grid {3e-4, 5e-4, 1e-3}, then 2e-3 and 4e-3 for the arms that chose its top
-    "rank-tuning", "rank-tuning-gigpo", "rank-tuning-tempo", "rank-tuning-tempo-b", "rank-tuning-ppo", "rank-tuning-ppo-b",
-    "rank-tuning-adca", "rank-tuning-adca-b", "rank-lr-probe", "rank-lr-probe-b", "rank-lr-probe-c", "rank-lr-probe-d",
-    "rank-tuning-wide",
+    "rank-tuning", "rank-tuning-gigpo", "rank-tuning-tempo", "rank-tuning-tempo-b", "rank-tuning-ppo",
+    "rank-tuning-ppo-b", "rank-tuning-adca", "rank-tuning-adca-b", "rank-lr-probe", "rank-lr-probe-b",
+    "rank-lr-probe-c", "rank-lr-probe-d", "rank-tuning-wide",
 )  # fmt: skip
 RANK_HELD_OUT_FOLDERS = (
     "rank-held-out", "rank-held-out-tempo", "rank-held-out-tempo-b", "rank-held-out-ppo", "rank-held-out-adca",
