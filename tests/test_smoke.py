@@ -1,5 +1,5 @@
 """Every algorithm script's `smoke` preset through its real command line (cli), with the default sampler
-(generate() with KV reuse): with what load_model does on a GPU (bfloat16 weights, gradient checkpointing; --dtype
+(generate() with KV reuse): with what load_model does on a GPU (bfloat16 compute, gradient checkpointing; --dtype
 bfloat16 --gradient-checkpointing on), so that a dtype or checkpointing mistake shows on CPU; and as is, in the venv at
 the declared lower bounds (tests/test_floors.py; the main venv's other tests run the default precision throughout)."""
 
@@ -35,5 +35,9 @@ def test_smoke_preset_trains(name, precision, tmp_path, capfd):
     assert updates and all(row["rollout/generated_tokens"] > 0 for row in updates)
     assert all(math.isfinite(value) for row in rows for value in row.values() if isinstance(value, float))
     assert (run / "checkpoints").is_dir() and list((run / "checkpoints").iterdir())
-    expected = "bfloat16 weights, gradient checkpointing on" if flags else "float32 weights, gradient checkpointing off"
+    expected = (
+        "bfloat16 compute, bfloat16 weights + float32 LoRA, gradient checkpointing on"
+        if flags
+        else "float32 compute, float32 weights + float32 LoRA, gradient checkpointing off"
+    )
     assert f"[start] model: {expected}" in capfd.readouterr().err

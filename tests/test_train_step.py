@@ -168,3 +168,35 @@ def test_the_training_seam_changes_nothing_for_a_loss_that_does_not_use_it(train
     assert all(torch.equal(plain_after[k], seam_after[k]) for k in plain_after)
     assert any(not torch.equal(plain_after[k], start[k]) for k in start)
     assert torch.equal(head.weight, untouched)
+
+
+def test_full_weights_in_bfloat16_move_as_in_float32(tiny_model_dir):
+    """--lora-rank 0 --dtype bfloat16 at the GiGPO config's lr 1e-6: one train_step moves the weights by what a float32
+    step moves them (float32 master weights; bfloat16 weights would round almost every update away: ulp(0.02) is
+    ~1.2e-4), while the forward passes compute in bfloat16."""
+    moved = {}
+    for dtype in ("float32", "bfloat16"):
+        args = tempo.Args(model=str(tiny_model_dir), lora_rank=0, dtype=dtype, learning_rate=1e-6)
+        accelerator = harness.make_accelerator()
+        set_seed(0)
+        tokenizer, model, optimizer = samplers.load_model(args, accelerator)
+        trainer = types.SimpleNamespace(
+            args=args, accelerator=accelerator, tokenizer=tokenizer, model=model, optimizer=optimizer,
+            heads=torch.nn.ModuleDict(),
+        )  # fmt: skip
+        rows, needed = batch(len(tokenizer), seed=6)
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([rows[0]])).logits
+        assert logits.dtype == getattr(torch, dtype)  # the compute dtype
+        datums = [
+            training.Datum(tokens=r, old_logprobs=[0.0] * len(r), advantages=[1.0 * n for n in m], mask=[float(n) for n in m])
+            for r, m in zip(rows, needed)
+        ]
+        before = [p.detach().clone() for p in model.parameters()]
+        loss = functools.partial(tempo.policy_loss, clip_eps=0.2, clip_eps_high=0.28)
+        training.train_step(trainer, datums, loss)
+        assert all(p.dtype == torch.float32 for p in model.parameters())  # the master weights
+        moved[dtype] = torch.cat([(p.detach() - b).abs().flatten() for p, b in zip(model.parameters(), before)])
+    # Adam's first step moves every weight with a gradient by ~lr: the same in both, far from 0
+    assert (moved["bfloat16"] > 0).float().mean() > 0.9 * (moved["float32"] > 0).float().mean()
+    assert moved["bfloat16"].mean() == pytest.approx(moved["float32"].mean().item(), rel=0.1)

@@ -184,6 +184,9 @@ def test_old_logprobs_are_recomputed_on_the_trainer_and_the_drift_reported(vllm,
     datum = training.Datum(prompt + reply.tokens, [0.0] * len(prompt) + shifted, [1.0] * (len(prompt) + len(shifted)),
                          [0.0] * len(prompt) + [1.0] * len(shifted))  # fmt: skip
     rt = SimpleNamespace(args=served_args, model=model, accelerator=accelerator, tokenizer=tokenizer)
+    with pytest.raises(training.SamplerDrifted, match=r"process 0: 0\.25 nats, above --max-logprob-drift 0\.001"):
+        training.refresh_old_logprobs(rt, [training.Datum(**vars(datum))])  # float32: 1e-3 by default
+    rt.args = dataclasses.replace(served_args, max_logprob_drift=0.5)
     metrics = training.refresh_old_logprobs(rt, [datum])
     assert metrics["rollout/logprob_drift_mean"] == pytest.approx(0.25, abs=1e-4)
     assert metrics["rollout/logprob_drift_max"] == pytest.approx(0.25, abs=1e-4)

