@@ -111,7 +111,7 @@ def load_model(args, accelerator, heads: torch.nn.Module | None = None):
         for tensor in heads.state_dict().values():
             torch.distributed.broadcast(tensor, 0)
     if args.fsdp:
-        shard(model.to(accelerator.device), accelerator, dtype if not args.lora_rank else None)
+        shard(model.to(accelerator.device), accelerator)
     optimizer = torch.optim.AdamW(
         trained_parameters(model, heads),  # under --fsdp the policy's are its shards (DTensors)
         lr=args.learning_rate,
@@ -137,10 +137,15 @@ def model_precision(args, device: torch.device) -> tuple[torch.dtype, bool]:
 
 def compute_in(model, dtype: torch.dtype, device: torch.device) -> None:
     """Run the causal LM's forward and its lm_head (which training.teacher_forced calls on its own) under autocast to
-    `dtype`: matrix products in it, norms, softmax and the residual stream in float32, as mixed-precision training
-    does. Wrapping the instances' forward covers every caller: peft, generate(), the train step, FSDP2."""
+    `dtype` (matrix products in it, norms and softmax in float32), and start the residual stream in it, as a model
+    stored in `dtype` runs (and vLLM samples it): with float32 embeddings the rotary tables, and so the keys, would be
+    float32 and the values not, which a static KV cache refuses. Wrapping the instances' forward covers every caller:
+    peft, generate(), the train step, FSDP2."""
     for module in (model, model.get_output_embeddings()):
         module.forward = torch.autocast(device.type, dtype=dtype)(module.forward)
+    embeddings = model.get_input_embeddings()
+    embed = embeddings.forward
+    embeddings.forward = lambda *args, **kwargs: embed(*args, **kwargs).to(dtype)
 
 
 def trained_parameters(policy, heads: torch.nn.Module) -> list[torch.nn.Parameter]:
@@ -153,24 +158,23 @@ def causal_lm(policy):
     return policy.get_base_model() if hasattr(policy, "get_base_model") else policy
 
 
-def shard(policy, accelerator, gathered_dtype: torch.dtype | None = None) -> None:
+def shard(policy, accelerator) -> None:
     """--fsdp: PyTorch's FSDP2 (fully_shard) on the process group accelerate set up: each transformer block is one
     unit, then the causal LM (embeddings, final norm, lm_head) the root, so that generate(), which calls the causal LM,
     enters through the root. Every weight, gradient and AdamW state is split over the processes; gradients are summed
     (not averaged: the loss is already a mean over every process's tokens), with plain sums, which gloo also has.
-    `gathered_dtype` (full weights computing in bfloat16): the gathered weights are cast to it, the float32 shards and
-    gradients stay (FSDP2's MixedPrecisionPolicy), so the whole weights every process keeps take 2 bytes a parameter."""
+    Full weights stay float32 when gathered too (checkpoints save the gathered ones: a bfloat16 gather would round the
+    master weights a checkpoint keeps); the forward computes in --dtype by autocast (compute_in)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import fully_shard
 
     root = causal_lm(policy)
     layers = getattr(root.get_decoder(), "layers", None)
     if not isinstance(layers, torch.nn.ModuleList):
         raise ValueError(f"--fsdp: {type(root).__name__} keeps no list of transformer blocks at .layers to shard")
     mesh = init_device_mesh(accelerator.device.type, (accelerator.num_processes,))
-    precision = MixedPrecisionPolicy(param_dtype=gathered_dtype, reduce_dtype=torch.float32 if gathered_dtype else None)
     for module in [*layers, root]:
-        fully_shard(module, mesh=mesh, mp_policy=precision)
+        fully_shard(module, mesh=mesh)
         module.set_gradient_divide_factor(1.0)
         module.set_force_sum_reduction_for_comms(True)
 

@@ -915,6 +915,7 @@ ON_THE_TINY_AGENT = {
 OUTCOMES_ON_THE_TINY_AGENT = dict(max_turn_tokens=48, max_turns=6, learning_rate=1e-4)
 FSDP_VLLM = "gigpo"  # its LoRA job samples through the vLLM server (on the tiny agent, which the server serves)
 FSDP_EVAL_ONLY = "gigpo"  # its resumed run (full weights) is also evaluated with --eval-only (once: ~5-10 s each)
+FSDP_BF16 = "ppo"  # its full-weights job computes in bfloat16: float32 shards, the gathered weights cast to bfloat16
 
 
 @pytest.mark.parametrize("name, lora_rank, kill", FSDP_JOBS)
@@ -938,6 +939,8 @@ def test_fsdp_two_process_job(
             straight |= tiny_agent | ON_THE_TINY_AGENT.get(name, OUTCOMES_ON_THE_TINY_AGENT)
         if vllm:
             straight |= dict(sampler="vllm", sampler_url=vllm.url, sampler_adapter_dir=str(tmp_path / "adapters"))
+        if name == FSDP_BF16 and not lora_rank:
+            straight["dtype"] = "bfloat16"
         # the vLLM job runs in the repo's directory: the server names its model by a path relative to it
         result, leftovers = launch(name, straight, tmp_path, cwd=ROOT if vllm else None)
         assert result.returncode == 0 and not leftovers, result.stderr[-5000:]
