@@ -111,7 +111,7 @@ def test_a_whole_copy_of_gigpo_with_one_line_changed_is_a_valid_fork(tmp_path, g
     assert load_script(repo / "mygigpo.py", monkeypatch).gigpo_advantages(*lost_and_won)[0] == [0.0]
     assert gigpo.gigpo_advantages(*lost_and_won)[0][0] < 0
 
-    runs = tmp_path / "runs"
+    runs = tmp_path / "runs"  # on the session's game set: a first run's own set takes minutes to generate
     smoke = [sys.executable, "mygigpo.py", "smoke", "--data-root", str(games_root), "--output-dir", str(runs)]
     result = subprocess.run(smoke, cwd=repo, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-5000:]
