@@ -1,7 +1,8 @@
 """How the project is laid out: the shared code in layer files, each with one job and importing only the layers below
 it; each algorithm script holds its algorithm and imports only those layers; the places a fork changes are marked the
 same way in every script; the shared flags are declared once, in harness.SharedArgs (and PPOArgs), which every Args
-extends."""
+extends. Every script found (a fork too) is held to these; the shipped scripts, in addition, share no long run of
+lines with each other (a whole copy of one, the common fork, is no shipped script: tests/algorithm_scripts.py)."""
 
 import ast
 import dataclasses
@@ -10,12 +11,13 @@ import re
 from pathlib import Path
 
 import pytest
-from algorithm_scripts import MODULES, NAMES
+from algorithm_scripts import MODULES, NAMES, SHIPPED_SCRIPTS
 
 import harness
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = [f"{name}.py" for name in NAMES]  # found by algorithm_scripts.py
+SCRIPTS = [f"{name}.py" for name in NAMES]  # found by algorithm_scripts.py: the shipped ones and any fork
+SHIPPED = [f"{name}.py" for name in SHIPPED_SCRIPTS]
 PROJECT_MODULES = {p.stem for p in ROOT.glob("*.py")} | {"benchmarks", "tests"}
 FORK_MARK = re.compile(r"^# fork (\d): (.*)$", re.M)
 MAX_UPDATE_LINES = 70  # an update function read in one screen
@@ -41,11 +43,14 @@ LAYERS = {
         "The job around a script's update loop: flags, start-up checks, Runtime, Run, evaluation, logging, checkpoints, cli."
     ),
 }
-MAX_SHARED_RUN = 25  # identical lines in a row that two scripts may share (more goes to a layer, as LAYERS says)
+MAX_SHARED_RUN = 25  # identical lines in a row two shipped scripts may share (more goes to a layer, as LAYERS says)
 
 
-def test_the_algorithm_scripts_are_found():
-    assert {"tempo.py", "adca_grpo.py"} <= set(SCRIPTS)
+def test_the_shipped_scripts_are_found_and_installed():
+    """Each listed script exists, names its ALGORITHM and is in pyproject.toml's py-modules (an install needs it)."""
+    assert set(SHIPPED) <= set(SCRIPTS)
+    modules = re.search(r"^py-modules = \[(.*)\]$", (ROOT / "pyproject.toml").read_text(), re.M).group(1)
+    assert set(SHIPPED_SCRIPTS) <= {name.strip(' "') for name in modules.split(",")}
 
 
 def longest_identical_run(a: list[str], b: list[str]) -> int:
@@ -58,8 +63,8 @@ def test_longest_identical_run_counts_lines_in_a_row():
     assert longest_identical_run(list("xabcdy"), list("zabcqd")) == 3
 
 
-@pytest.mark.parametrize("pair", [(a, b) for i, a in enumerate(SCRIPTS) for b in SCRIPTS[i + 1 :]])
-def test_no_long_run_of_identical_lines_between_scripts(pair):
+@pytest.mark.parametrize("pair", [(a, b) for i, a in enumerate(SHIPPED) for b in SHIPPED[i + 1 :]], ids="-".join)
+def test_no_long_run_of_identical_lines_between_shipped_scripts(pair):
     first, second = ((ROOT / name).read_text().splitlines() for name in pair)
     assert longest_identical_run(first, second) <= MAX_SHARED_RUN, "move the shared block to a layer (see LAYERS)"
 
