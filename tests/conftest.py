@@ -33,6 +33,7 @@ def pytest_collection_modifyitems(config, items):
     module, a pair holding it, or its docs page docs/NAME.md); deselect the rest."""
     name = config.getoption("--script")
     if not name:
+        serve_together(items)
         return
 
     def names_it(value) -> bool:
@@ -48,6 +49,39 @@ def pytest_collection_modifyitems(config, items):
     ]
     config.hook.pytest_deselected(items=[item for item in items if item not in keep])
     items[:] = keep
+    serve_together(items)
+
+
+def serve_together(items) -> None:
+    """The tests that use the real vLLM server run one after the other, so that it is stopped after the last one
+    (pytest_runtest_teardown) instead of idling through the rest of the session (its worker takes ~10% of a core):
+    the modules that use it last, the one with the smallest share of such tests at the very end, and in each of them
+    those tests first, otherwise in their order."""
+    share = {}
+    for item in items:
+        share.setdefault(item.path, []).append(uses_the_server(item))
+    share = {path: sum(flags) / len(flags) for path, flags in share.items()}
+    modules = [path for path in share if not share[path]] + sorted((p for p in share if share[p]), key=share.get, reverse=True)
+    rank = {path: i for i, path in enumerate(modules)}
+    items.sort(key=lambda item: (rank[item.path], not uses_the_server(item)))
+
+
+def uses_the_server(item) -> bool:
+    """The `vllm` or `vllm_without_lora` fixture, asked for by name or (a test that needs it for one parameter only) by the
+    vllm_server mark."""
+    names = getattr(item, "fixturenames", ())
+    return "vllm" in names or "vllm_without_lora" in names or item.get_closest_marker("vllm_server") is not None
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    yield
+    if uses_the_server(item) and (nextitem is None or not uses_the_server(nextitem)) and SERVERS:
+        for server in SERVERS:  # the session fixtures' own stop at the end then has nothing left to do
+            server.stop()
+
+
+SERVERS = []  # the real vLLM servers the session started (the `vllm` fixture's and its companion's)
 
 
 @pytest.fixture(scope="session")
@@ -87,6 +121,7 @@ def vllm_without_lora(tmp_path_factory):
     from benchmarks.vllm_cpu import VllmServer
 
     server = VllmServer("assets/tiny-agent", tmp_path_factory.mktemp("vllm") / "server.log", enable_lora=False)
+    SERVERS.append(server)
     yield server.launch()
     server.stop()
 
@@ -100,4 +135,5 @@ def vllm(tmp_path_factory, vllm_without_lora):
 
     log = tmp_path_factory.mktemp("vllm") / "server.log"
     with VllmServer("assets/tiny-agent", log, max_model_len=4096) as server:
+        SERVERS.append(server)
         yield server

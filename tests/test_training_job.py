@@ -918,7 +918,13 @@ FSDP_EVAL_ONLY = "gigpo"  # its resumed run (full weights) is also evaluated wit
 FSDP_BF16 = "ppo"  # its full-weights job computes in bfloat16: float32 shards, the gathered weights cast to bfloat16
 
 
-@pytest.mark.parametrize("name, lora_rank, kill", FSDP_JOBS)
+@pytest.mark.parametrize(
+    "name, lora_rank, kill",
+    [
+        pytest.param(*job, marks=pytest.mark.vllm_server) if job[0] == FSDP_VLLM and job[1] else job
+        for job in FSDP_JOBS
+    ],
+)
 def test_fsdp_two_process_job(
     name, lora_rank, kill, games_root, tiny_model_dir, tiny_agent, tmp_path, monkeypatch, request
 ):
