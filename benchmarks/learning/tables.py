@@ -1,7 +1,7 @@
 """The docs' tables of the learning benchmark, regenerated from the committed results by one command:
 
     python -m benchmarks.learning.tables            # rewrite every table in docs/ between its markers, and the figure
-    python -m benchmarks.learning.tables --check    # rewrite nothing; exit 1 naming each table that differs
+    python -m benchmarks.learning.tables --check    # rewrite nothing; exit 1 naming each table (or figure) that differs
 
 A table sits in its page between `<!-- table: NAME -->` and `<!-- /table -->`. TABLES says which result folders it pools
 (an arm's runs from several folders, each seed once, all from one warm start), which arms under which labels, which
@@ -12,9 +12,8 @@ several folders only where the arm's runs have identical flags (compare.check_po
 The generalisation table is benchmarks/learning/generalise.py's own (its results.json), the confirmatory table
 confirmatory.py's. The figure (FIGURE, draw_figure) sets the confirmatory comparison, as far as its runs have finished,
 beside the exploratory ranking (rank-held-out); the numbers it draws are kept in the PNG, so --check compares those,
-not pixels. tests/test_docs.py fails when a
-page's table is stale, and when the ranking table holds an arm at another lr than the one its grid chose (chosen_lr: the
-protocol's rule).
+not pixels. tests/test_docs.py fails when a page's table or the figure is stale, and when the ranking table holds an
+arm at another lr than the one its grid chose (chosen_lr: the protocol's rule).
 """
 
 from __future__ import annotations
@@ -303,7 +302,8 @@ def draw_figure(numbers: dict, path: Path) -> None:
     names = list(FIGURE_ARMS)[::-1]  # GRPO on top
     for (panel, title), (end_ax, diff_ax) in zip(rows.items(), axes):
         arms, start = numbers[panel], numbers[f"{panel} start"]
-        labels = [f"{FIGURE_ARMS[n]} (n = {arms[n]['n']})" if n in arms else f"{FIGURE_ARMS[n]} (not run)" for n in names]
+        labels = [f"{FIGURE_ARMS[n]} (n = {arms[n]['n']})" if n in arms else f"{FIGURE_ARMS[n]} (not run)"
+                  for n in names]  # fmt: skip
         if start is not None:
             end_ax.axvline(start, color="grey", lw=1, ls="--")
             title += f"\nthe start {start:.2f} (dashed)"
