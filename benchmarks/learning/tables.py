@@ -248,8 +248,10 @@ def confirmatory_table() -> str:
     path = ROOT / confirmatory.FOLDER / "results.json"
     if not path.is_file():
         return f"(no confirmatory run has finished: `{confirmatory.FOLDER}/results.json` does not exist yet)\n"
-    text = confirmatory.table(json.loads(path.read_text()))
-    return f"{text}\n(seeds {confirmatory.SEEDS[0]}-{confirmatory.SEEDS[-1]}; from `{confirmatory.FOLDER}/`)\n"
+    results = json.loads(path.read_text())
+    start = f"sampled {compare.success(results['start']):.3f}, greedy {compare.success(results['start'], 'greedy'):.2f}"
+    seeds = f"seeds {confirmatory.SEEDS[0]}-{confirmatory.SEEDS[-1]}"
+    return f"{confirmatory.table(results)}\n(the start: {start}; {seeds}; from `{confirmatory.FOLDER}/`)\n"
 
 
 # The figure's arms, in its order, with their labels; the exploratory panels hold the first five (rank-held-out)
