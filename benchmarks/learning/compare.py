@@ -357,7 +357,8 @@ def summarise(results: dict, arms: Sequence[str], reference: str = "grpo") -> st
     adjusted = dict(zip(rank_ps, holm(list(rank_ps.values()))))
     lines = [
         "| arm | n (seeds) | start | mid | end (mean ± std) | change [95% Welch t, start's episodes counted] | "
-        f"end - {reference} [95% Welch t] | [percentile bootstrap, nominal 95%] | Mann-Whitney p (Holm) | detectable at 80% power (at sd) | "
+        f"end - {reference} [95% Welch t] | [percentile bootstrap, nominal 95%] | Mann-Whitney p (Holm) | "
+        "detectable at 80% power (at sd) | "
         "end greedy | actor tokens | actor + critic tokens | oracle continuation tokens | "
         f"tokens to reach {reference}'s end (% of its tokens) | provenance |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
