@@ -112,6 +112,12 @@ class Args:
     sampler_url: str = ""
     """a running vLLM server of the warm start for the arms that sample through one (grpo_vllm, grpo_async1); empty:
     compare.py starts one on the CPU while such runs train (benchmarks/vllm_cpu.py: on one core, the runs on another)"""
+    eval_seed: int = harness.EVAL_SEED
+    """the sampler's seed of every evaluation here (the same random numbers for every checkpoint and run); a
+    confirmatory comparison takes one that no earlier evaluation used"""
+    clip: tuple[float, float] | None = None
+    """the PPO clip range (below 1, above 1) given to every arm's script as --clip-eps, --clip-eps-high: one setting
+    for all arms; None: each script's preset (GRPO and ADCA-GRPO 0.2 / 0.28, GiGPO and PPO 0.2 / 0.2, TEMPO none)"""
 
 
 def log(message: str) -> None:
@@ -181,7 +187,7 @@ class Evaluator:
             greedy = mode == "greedy"
             sample_fn = samplers.make_sampler(model, self.tokenizer, self.accelerator, sampling, greedy=greedy)
             starts = [common.game_start(game, self.protocol) for game in self.games]
-            with harness.seeded_sampling(harness.EVAL_SEED):  # common random numbers: the same for every checkpoint
+            with harness.seeded_sampling(self.args.eval_seed):  # common random numbers: the same for every checkpoint
                 groups = common.rollout(
                     starts, branches, sample_fn, self.protocol, horizon=cap, max_turns=cap,
                     max_turn_tokens=sampling.max_turn_tokens, max_trajectory_tokens=sampling.max_trajectory_tokens,
@@ -351,7 +357,8 @@ def summarise(results: dict, arms: Sequence[str], reference: str = "grpo") -> st
     adjusted = dict(zip(rank_ps, holm(list(rank_ps.values()))))
     lines = [
         "| arm | n (seeds) | start | mid | end (mean ± std) | change [95% Welch t, start's episodes counted] | "
-        f"end - {reference} [95% Welch t] | [95% bootstrap] | Mann-Whitney p (Holm) | detectable at 80% power (at sd) | "
+        f"end - {reference} [95% Welch t] | [percentile bootstrap, nominal 95%] | Mann-Whitney p (Holm) | "
+        "detectable at 80% power (at sd) | "
         "end greedy | actor tokens | actor + critic tokens | oracle continuation tokens | "
         f"tokens to reach {reference}'s end (% of its tokens) | provenance |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -774,7 +781,7 @@ def main(args: Args) -> None:
                 log(f"{key}: training")
                 command = algorithm_command(
                     name, seed, updates, warm, games, runs_root, args.setting, args.eval_every, td_updates,
-                    sampler_url if needs_server(name) else "",
+                    sampler_url if needs_server(name) else "", args.clip,
                 )  # fmt: skip
                 run(command, args.threads, cores)
             rdir = run_dir(runs_root, name, seed)

@@ -99,6 +99,10 @@ ALGORITHMS = {
     # each endpoint valued by the mean of 8 critic samples (the benchmark's preset: 1): less of the critic's sampling
     # noise in the branches' returns
     "tempo_endpoint8": ("tempo.py", ["--endpoint-samples", "8"]),
+    # the confirmatory comparison's TEMPO at GRPO's trained tokens (benchmarks/learning/confirmatory.py): each TD update
+    # 7 times the start states (4 -> 28 groups), the 3 warm-up and 9 TD updates kept, so its actor trains on ~27k tokens
+    # a run as GRPO does (3.8k at 4 groups: the ranking setting's held-out seeds, confirmatory.token_scale)
+    "tempo_matched": ("tempo.py", ["--groups-per-update", "28"]),
 }
 
 
@@ -136,12 +140,15 @@ def run(command: list[str], threads: int, cores: list[int] | None = None) -> Non
 
 def algorithm_command(
     name: str, seed: int, updates: int, warm: Path, games: Path, runs: Path, setting: str, save_every: int,
-    tempo_td_updates: int = 0, sampler_url: str = "",
+    tempo_td_updates: int = 0, sampler_url: str = "", clip: tuple[float, float] | None = None,
 ) -> list[str]:  # fmt: skip
     """`script.py learning`: the script's own preset of the setting's recipe, at this run's seed and updates (TEMPO:
     run_updates, of which the variant's --warmup-updates or else a quarter warm-up), a checkpoint every save_every
-    updates; an arm that samples through a vLLM server (needs_server) at sampler_url, a server of the warm start."""
+    updates; an arm that samples through a vLLM server (needs_server) at sampler_url, a server of the warm start;
+    clip (low, high): the PPO clip range, after the variant's own (the later flag wins)."""
     script, flags = algorithm(name)
+    if clip is not None:
+        flags = [*flags, "--clip-eps", str(clip[0]), "--clip-eps-high", str(clip[1])]
     if needs_server(name):
         if not sampler_url:
             raise ValueError(f"arm {name!r} samples through a vLLM server: its command needs the server's URL")
