@@ -314,6 +314,8 @@ PRESETS = {  # name -> (what it is, its values); `python gigpo.py NAME --flags`
             gamma=0.95,
             step_advantage_w=1.0,
             normalize_std=True,
+            eval_temperature=0.4,
+            keep_checkpoints=3,
         ),
     ),
 }

@@ -43,7 +43,7 @@ class Args(harness.PPOArgs):
     """run name prefix: runs/{exp_name}__{seed}__{time}"""
     # ---- PPO (defaults: verl-agent's ALFWorld PPO run where they apply; docs/ppo.md says which) ----
     groups_per_update: int = 64
-    """G: games per update (per process)"""
+    """G: games per update (all processes together: each plays G / processes)"""
     group_size: int = 1
     """N: episodes sampled per game (PPO compares nothing within a group; verl-agent: 1)"""
     gamma: float = 1.0
@@ -351,6 +351,8 @@ PRESETS = {  # name -> (what it is, its values); `python ppo.py NAME --flags`
             vf_clip=0.5,
             kl_loss_coef=0.01,
             invalid_action_penalty=0.01,
+            eval_temperature=0.4,
+            keep_checkpoints=3,
         ),
     ),
 }
