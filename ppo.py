@@ -321,7 +321,14 @@ PRESETS = {  # name -> (what it is, its values); `python ppo.py NAME --flags`
     ),
     "learning": (
         "the CPU learning benchmark's recipe: tiny agent, its 4 games, 12 updates of 4 x 4 (~2-3 min)",
-        Args(**harness.LEARNING_SETTINGS["learning"], num_updates=12, groups_per_update=4, group_size=4, max_turns=6),
+        Args(
+            **harness.LEARNING_SETTINGS["learning"],
+            clip_eps_high=0.28,  # adca_grpo.py's: one clip for every ranking arm (never acts at 1 step)
+            num_updates=12,
+            groups_per_update=4,
+            group_size=4,
+            max_turns=6,
+        ),
     ),
     "learning-long": (
         "the long-horizon CPU benchmark's recipe: tiny-agent-long, pick two / clean / cool games, T 20",

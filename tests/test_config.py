@@ -301,3 +301,14 @@ def test_the_learning_benchmark_runs_a_variant_at_another_learning_rate():
     ):
         with pytest.raises(ValueError, match=message):
             runs.algorithm(name)
+
+
+def test_the_ranking_settings_policy_gradient_arms_share_one_clip():
+    """GRPO, ADCA-GRPO, GiGPO and PPO clip alike in the learning presets (the ranking's); TEMPO's own loss has none."""
+    clips = {
+        (preset.clip_eps, preset.clip_eps_high)
+        for module in MODULES.values()
+        for name, (_, preset) in module.PRESETS.items()
+        if name == "learning" and module is not tempo
+    }
+    assert clips == {(0.2, 0.28)}
