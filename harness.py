@@ -172,6 +172,12 @@ class SharedArgs:
     """named settings that become the defaults (`script.py NAME --flags`; --help lists them); flags override them"""
     config: str = ""
     """a JSON or YAML file of flag values that become the defaults (a run's config.json reruns it); flags override it"""
+    plan: bool = False
+    """print what the run needs per GPU (memory, KV cache, disk, tokens per update; from the model's config) and exit"""
+    plan_gpu_memory_gb: float = 0.0
+    """--plan: one GPU's memory in GiB (as nvidia-smi shows it; 0 = the visible device's)"""
+    plan_processes: int = 0
+    """--plan: the processes, one a GPU, to plan for (0 = the launched ones)"""
     # ---- sampler ----
     sampler: Literal["auto", "generate", "vllm-colocate", "vllm"] = "auto"
     """auto: vllm-colocate where CUDA and vLLM are, else generate; generate: model.generate() in the training process;
@@ -245,7 +251,7 @@ def validate_model_args(args) -> None:
     check_bounds(args, "> 0", "lora_alpha", "learning_rate", "max_grad_norm", "temperature", "sampler_timeout_s")
     check_bounds(args, "> 0", "sampler_deadline_s")
     check_bounds(args, ">= 0", "weight_decay", "seed", "save_every", "eval_every", "threads", "eval_temperature")
-    check_bounds(args, ">= 0", "async_steps", "keep_checkpoints")
+    check_bounds(args, ">= 0", "async_steps", "keep_checkpoints", "plan_gpu_memory_gb", "plan_processes")
     require_all(
         (bool(args.model), "--model must not be empty"),
         (len(args.lora_targets) >= 1 and all(args.lora_targets), "--lora-targets must name at least one module"),
@@ -335,8 +341,8 @@ def validate_ppo_args(args: PPOArgs) -> None:
 # Flags a resumed run may change: where and how fast it runs and what it logs, not what it trains.
 RESUME_FREE_FLAGS = tuple(
     "preset config resume eval_only output_dir track wandb_project save_every eval_every eval_games eval_temperature "
-    "threads keep_checkpoints micro_batch_tokens sample_batch_size fsdp sampler sampler_url sampler_adapter_dir sampler_concurrency "
-    "sampler_timeout_s sampler_deadline_s kv_cache_mb vllm_gpu_memory_utilization".split()
+    "threads keep_checkpoints plan plan_gpu_memory_gb plan_processes micro_batch_tokens sample_batch_size fsdp sampler "
+    "sampler_url sampler_adapter_dir sampler_concurrency sampler_timeout_s sampler_deadline_s kv_cache_mb vllm_gpu_memory_utilization".split()
 )
 
 
@@ -455,6 +461,14 @@ def startup_checks(args, algorithm: str, accelerator, validate_args, resume_may_
             )
         set_threads(args, int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes)))
         check_model(args.model)
+        if args.plan or torch.cuda.is_available():  # the plan before the run (--plan: only the plan)
+            figures, text = plan.run_plan(args, args.plan_processes or accelerator.num_processes)
+            if args.plan:
+                if accelerator.is_main_process:
+                    print(text)
+                raise SystemExit(0)
+            if figures.get("fits") is False and accelerator.is_main_process:
+                print(f"[start] WARNING: by --plan's estimate the run does not fit the GPU:\n{text}", file=sys.stderr)
         require_writable_dir(args.output_dir, "--output-dir")
         if checkpoint is None and spec:
             if args.eval_only:
@@ -605,8 +619,8 @@ class Runtime:
 
     def rollout_groups(self) -> list[list[common.Trajectory]]:
         """Step 1 of an update: this process's share of --groups-per-update games from their start, --group-size
-        episodes each, to --max-turns. --async-steps 0: played now, with the weights as they are. K >= 1: the batch AsyncRollouts sampled for this
-        update, at most K versions behind these weights."""
+        episodes each, to --max-turns. --async-steps 0: played now, with the weights as they are. K >= 1: the batch
+        AsyncRollouts sampled for this update, at most K versions behind these weights."""
         args = self.args
         if self.rollouts is not None:
             batch = self.rollouts.next_batch()

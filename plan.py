@@ -125,7 +125,8 @@ def memory_plan(args, shape: Shape, processes: int, gpu_gib: float | None) -> di
     if args.sampler in ("auto", "vllm-colocate"):
         share = args.vllm_gpu_memory_utilization * (gpu_gib or 0.0)
         plan["engine"] = share
-        plan["engine_kv_tokens"] = max(0.0, share - shape.parameters * width / GIB - ENGINE_RESERVE_GIB) * GIB / kv_token
+        free = share - shape.parameters * width / GIB - ENGINE_RESERVE_GIB  # the engine's KV cache
+        plan["engine_kv_tokens"] = max(0.0, free) * GIB / kv_token
         plan["sampling_peak"] = resident + share
     elif args.sampler == "vllm":
         plan["engine"], plan["engine_kv_tokens"], plan["sampling_peak"] = 0.0, 0.0, resident
@@ -142,7 +143,7 @@ def memory_plan(args, shape: Shape, processes: int, gpu_gib: float | None) -> di
     plan["checkpoint"] = trained * (saved_width + 8 + master) / GIB
     updates = run_updates(args)
     saved = updates // args.save_every + bool(updates % args.save_every) if args.save_every else 1
-    keep = getattr(args, "keep_checkpoints", 0)
+    keep = args.keep_checkpoints
     plan["checkpoints_saved"], plan["checkpoints_on_disk"] = saved, min(saved, keep + 1) if keep else saved
     plan["disk"] = plan["checkpoint"] * plan["checkpoints_on_disk"]
     if gpu_gib:
@@ -190,8 +191,24 @@ def plan_text(args, plan: dict, shape: Shape, processes: int, gpu_gib: float | N
         f"  peak per GPU: {plan['training_peak']:.1f} GiB while training, {plan['sampling_peak']:.1f} while sampling",
         f"  checkpoints: {plan['checkpoint']:.2f} GiB each, {plan['checkpoints_saved']} saved (--save-every "
         f"{args.save_every} over {run_updates(args)} updates), at most {plan['checkpoints_on_disk']} on disk "
-        f"(--keep-checkpoints {getattr(args, 'keep_checkpoints', 0)}): {plan['disk']:.1f} GiB",
+        f"(--keep-checkpoints {args.keep_checkpoints}): {plan['disk']:.1f} GiB",
     ]
     if gpu_gib:
         lines.append("  fits" if plan["fits"] else f"  does NOT fit: {advice(args, plan, gpu_gib)}")
     return "\n".join(lines)
+
+
+def run_plan(args, processes: int) -> tuple[dict, str]:
+    """(the figures, the text) of the run's plan for `processes` GPUs of --plan-gpu-memory-gb (0: the visible
+    device's; none visible: the fit is not judged), from the model's config."""
+    import torch
+
+    import samplers
+
+    process_shares(args, processes)  # the counts must divide among them
+    gpu_gib = args.plan_gpu_memory_gb or (
+        torch.cuda.get_device_properties(0).total_memory / GIB if torch.cuda.is_available() else None
+    )
+    shape = model_shape(samplers.model_config(args.model), args.lora_rank, args.lora_targets)
+    figures = memory_plan(args, shape, processes, gpu_gib)
+    return figures, plan_text(args, figures, shape, processes, gpu_gib)
