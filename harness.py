@@ -447,13 +447,13 @@ def startup_checks(args, algorithm: str, accelerator, validate_args, resume_may_
         validate_args(args)
         require_all(
             (
-                not args.fsdp or accelerator.num_processes > 1,
+                not args.fsdp or (args.plan and args.plan_processes or accelerator.num_processes) > 1,
                 "--fsdp shards over several processes, and this run has one: launch it with `accelerate launch "
                 "--multi_gpu --num_processes N` (N >= 2), or drop --fsdp",
             ),
         )
         shares = plan.process_shares(args, accelerator.num_processes)
-        if shares and accelerator.is_main_process:
+        if shares and accelerator.is_main_process and not args.plan:  # --plan says it for its process count
             print(
                 f"[start] {accelerator.num_processes} process(es): "
                 + "; ".join(f"--{k.replace('_', '-')} {getattr(args, k)} ({v} per process)" for k, v in shares.items()),

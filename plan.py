@@ -168,7 +168,6 @@ def advice(args, plan: dict, gpu_gib: float) -> str:
 def plan_text(args, plan: dict, shape: Shape, processes: int, gpu_gib: float | None) -> str:
     """The plan as printed by --plan."""
     lora = f"LoRA r{args.lora_rank}: {shape.lora_parameters / 1e6:.1f}M trained" if args.lora_rank else "every weight"
-    per = f" ({processes} processes: / {processes} each)" if processes > 1 else ""
     engine = {
         "generate": "generate(): --sample-batch-size prompts at the budget, and --kv-cache-mb",
         "vllm": "a vLLM server on other GPUs",
@@ -177,7 +176,7 @@ def plan_text(args, plan: dict, shape: Shape, processes: int, gpu_gib: float | N
         f"plan: {args.model}: {shape.parameters / 1e9:.2f}B parameters, {shape.layers} layers, hidden {shape.hidden}, "
         f"{shape.kv_heads} KV heads x {shape.head_dim}; {processes} process(es), one a GPU of "
         + (f"{gpu_gib:.0f} GiB" if gpu_gib else "? GiB (no GPU visible: pass --plan-gpu-memory-gb)"),
-        f"  per update{per}: {plan['episodes_per_update']} episodes; at most "
+        f"  per update (the run's; each process 1/{processes}): {plan['episodes_per_update']} episodes; at most "
         f"{plan['sampled_tokens_per_update'] / 1e6:.2f}M tokens sampled, {plan['trained_tokens_per_update'] / 1e6:.2f}M "
         "forwarded in training (the whole episodes; the generated ones are trained)",
         f"  trainer ({lora}): weights {plan['weights']:.1f} GiB, gradients {plan['gradients']:.2f}, "
