@@ -342,7 +342,8 @@ def validate_ppo_args(args: PPOArgs) -> None:
 RESUME_FREE_FLAGS = tuple(
     "preset config resume eval_only output_dir track wandb_project save_every eval_every eval_games eval_temperature "
     "threads keep_checkpoints plan plan_gpu_memory_gb plan_processes micro_batch_tokens sample_batch_size fsdp sampler "
-    "sampler_url sampler_adapter_dir sampler_concurrency sampler_timeout_s sampler_deadline_s kv_cache_mb vllm_gpu_memory_utilization".split()
+    "sampler_url sampler_adapter_dir sampler_concurrency sampler_timeout_s sampler_deadline_s kv_cache_mb "
+    "vllm_gpu_memory_utilization".split()
 )
 
 
@@ -461,14 +462,12 @@ def startup_checks(args, algorithm: str, accelerator, validate_args, resume_may_
             )
         set_threads(args, int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes)))
         check_model(args.model)
-        if args.plan or torch.cuda.is_available():  # the plan before the run (--plan: only the plan)
-            figures, text = plan.run_plan(args, args.plan_processes or accelerator.num_processes)
-            if args.plan:
-                if accelerator.is_main_process:
-                    print(text)
-                raise SystemExit(0)
-            if figures.get("fits") is False and accelerator.is_main_process:
-                print(f"[start] WARNING: by --plan's estimate the run does not fit the GPU:\n{text}", file=sys.stderr)
+        if args.plan:  # only the plan
+            if accelerator.is_main_process:
+                print(plan.run_plan(args, args.plan_processes or accelerator.num_processes)[1])
+            raise SystemExit(0)
+        if torch.cuda.is_available() and accelerator.is_main_process:  # the plan before the run: an estimate, a warning
+            plan.warn_if_it_does_not_fit(args, accelerator.num_processes)
         require_writable_dir(args.output_dir, "--output-dir")
         if checkpoint is None and spec:
             if args.eval_only:

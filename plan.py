@@ -7,6 +7,7 @@ weights (the model's config only).
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 
 def process_shares(args, processes: int) -> dict[str, int]:
@@ -177,8 +178,8 @@ def plan_text(args, plan: dict, shape: Shape, processes: int, gpu_gib: float | N
         f"{shape.kv_heads} KV heads x {shape.head_dim}; {processes} process(es), one a GPU of "
         + (f"{gpu_gib:.0f} GiB" if gpu_gib else "? GiB (no GPU visible: pass --plan-gpu-memory-gb)"),
         f"  per update (the run's; each process 1/{processes}): {plan['episodes_per_update']} episodes; at most "
-        f"{plan['sampled_tokens_per_update'] / 1e6:.2f}M tokens sampled, {plan['trained_tokens_per_update'] / 1e6:.2f}M "
-        "forwarded in training (the whole episodes; the generated ones are trained)",
+        f"{plan['sampled_tokens_per_update'] / 1e6:.2f}M tokens sampled, "
+        f"{plan['trained_tokens_per_update'] / 1e6:.2f}M forwarded in training (whole episodes; the sampled ones train)",
         f"  trainer ({lora}): weights {plan['weights']:.1f} GiB, gradients {plan['gradients']:.2f}, "
         f"AdamW {plan['adamw']:.2f}",
         f"  activations of a {plan['micro_batch_tokens']:,}-token micro-batch: {plan['activations_checkpointed']:.1f} "
@@ -211,3 +212,15 @@ def run_plan(args, processes: int) -> tuple[dict, str]:
     shape = model_shape(samplers.model_config(args.model), args.lora_rank, args.lora_targets)
     figures = memory_plan(args, shape, processes, gpu_gib)
     return figures, plan_text(args, figures, shape, processes, gpu_gib)
+
+
+def warn_if_it_does_not_fit(args, processes: int) -> None:
+    """On CUDA, at start: one warning, with the plan, when the plan says the run does not fit the visible GPU (an
+    estimate: it never stops a run); a model the plan cannot read is said, not fatal."""
+    try:
+        figures, text = run_plan(args, processes)
+    except Exception as error:  # a config the meta-device build does not take: the run goes on without a plan
+        print(f"[start] no memory plan ({type(error).__name__}: {error})", file=sys.stderr)
+        return
+    if figures.get("fits") is False:
+        print(f"[start] WARNING: by --plan's estimate the run does not fit the GPU:\n{text}", file=sys.stderr)

@@ -375,10 +375,11 @@ def test_eval_only_on_a_checkpoint_same_metrics_in_every_script(
     eval_dir = module.main(module.Args(**values))
     (row,) = read_rows(eval_dir / "metrics.jsonl")
     assert row["update"] == total_updates(name) and row["checkpoint"] == str(checkpoint)
-    expected = {"eval/train/success_rate"}
+    success = ("success_rate", "n", "success_ci_low", "success_ci_high")  # with its n and 95% interval
+    expected = {f"eval/train/{key}" for key in success}
     for split in ("valid_seen", "valid_unseen"):
         task_types = {common.load_task_type(game) for game in common.eval_subset(str(games_root), split, None, 2)}
-        expected |= {f"eval/{split}/{key}" for key in ("success_rate", "invalid_action_rate")}
+        expected |= {f"eval/{split}/{key}" for key in (*success, "invalid_action_rate")}
         expected |= {f"eval/{split}/success/{task_type}" for task_type in task_types}
         if row[f"eval/{split}/success_rate"] > 0:
             expected.add(f"eval/{split}/mean_steps_to_success")
@@ -397,6 +398,8 @@ def test_eval_only_on_a_checkpoint_same_metrics_in_every_script(
         (dict(seed=-1), "--seed"),
         (dict(task_types=()), "--task-types"),
         (dict(eval_only="auto", eval_games=0), "--eval-only needs --eval-games"),
+        (dict(eval_games=-1), "--eval-games must be >= 0 or all"),
+        (dict(groups_per_update=3, plan=True, plan_processes=2), "--groups-per-update 3 is the run's count"),
         (dict(track=True, wandb_project=""), "--wandb-project"),
         (dict(model="no-such-org/no-such-model"), "--model"),
         (dict(model="/no/such/model"), "--model"),
