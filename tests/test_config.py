@@ -14,6 +14,7 @@ import adca_grpo
 import gigpo
 import harness
 import offline
+import ppo
 import samplers
 import tempo
 from benchmarks.learning import runs
@@ -305,10 +306,5 @@ def test_the_learning_benchmark_runs_a_variant_at_another_learning_rate():
 
 def test_the_ranking_settings_policy_gradient_arms_share_one_clip():
     """GRPO, ADCA-GRPO, GiGPO and PPO clip alike in the learning presets (the ranking's); TEMPO's own loss has none."""
-    clips = {
-        (preset.clip_eps, preset.clip_eps_high)
-        for module in MODULES.values()
-        for name, (_, preset) in module.PRESETS.items()
-        if name == "learning" and module is not tempo
-    }
+    clips = {(m.PRESETS["learning"][1].clip_eps, m.PRESETS["learning"][1].clip_eps_high) for m in (adca_grpo, gigpo, ppo)}
     assert clips == {(0.2, 0.28)}
