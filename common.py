@@ -101,9 +101,9 @@ def discover_games(
 
 
 def eval_subset(data_root: str | Path, split: str, task_types: Sequence[str] | None, n: int | None) -> list[str]:
-    """The n evaluation games of a split (None: all of them, in this order): the same in every run and script (a fixed seed, not the run's), every task
-    type covered (n permitting) and in proportion: each type's games shuffled, then the i-th game of a type with
-    m games ranked at i / m."""
+    """The n evaluation games of a split (None: all of them, in this order): the same in every run and script (a
+    fixed seed, not the run's), every task type covered (n permitting) and in proportion: each type's games shuffled,
+    then the i-th game of a type with m games ranked at i / m."""
     rng, by_type = random.Random(0), defaultdict(list)
     for game_file in discover_games(data_root, split, task_types):
         by_type[load_task_type(game_file)].append(game_file)
