@@ -951,6 +951,7 @@ PRESETS = {  # name -> (what it is, its values); `python adca_grpo.py NAME --fla
             labeler_concurrency=20,
             labeler_max_attempts=200,
             labeler_max_new_tokens=8192,
+            keep_checkpoints=3,
         ),
     ),
 }

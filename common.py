@@ -100,10 +100,10 @@ def discover_games(
     return games
 
 
-def eval_subset(data_root: str | Path, split: str, task_types: Sequence[str] | None, n: int) -> list[str]:
-    """The n evaluation games of a split: the same in every run and script (a fixed seed, not the run's), every task
-    type covered (n permitting) and in proportion: each type's games shuffled, then the i-th game of a type with
-    m games ranked at i / m."""
+def eval_subset(data_root: str | Path, split: str, task_types: Sequence[str] | None, n: int | None) -> list[str]:
+    """The n evaluation games of a split (None: all of them, in this order): the same in every run and script (a
+    fixed seed, not the run's), every task type covered (n permitting) and in proportion: each type's games shuffled,
+    then the i-th game of a type with m games ranked at i / m."""
     rng, by_type = random.Random(0), defaultdict(list)
     for game_file in discover_games(data_root, split, task_types):
         by_type[load_task_type(game_file)].append(game_file)
@@ -902,6 +902,7 @@ def completion_cut_at_stop(tokens: list[int], logprobs: list[float], stops: Sequ
     return Completion(tokens[:end], logprobs[:end], tokenizer.decode(tokens[:end], skip_special_tokens=True))
 # ALFWorld's env is done exactly when the game is won (TextWorld never reports a loss), so "won" is its done.
 STOP_WON, STOP_MAX_STEPS, STOP_HORIZON, STOP_TOKEN_BUDGET = "won", "max_steps", "horizon", "token_budget"
+STOP_REASONS = (STOP_WON, STOP_MAX_STEPS, STOP_HORIZON, STOP_TOKEN_BUDGET)
 
 
 @dataclasses.dataclass
@@ -1132,3 +1133,13 @@ def _check_stop(traj: Trajectory, horizon: int, max_turns: int, max_turn_tokens:
         traj.stop_reason = STOP_HORIZON
     elif len(traj.tokens) + max_turn_tokens > max_trajectory_tokens:
         traj.stop_reason = STOP_TOKEN_BUDGET
+
+
+def game_start_or_skip(game: str, protocol, stage: str, seed: int = 0) -> SavedState | None:
+    """The game's start state; None, with a warning naming it, for a game that passed the start-up parse but does
+    not load (a broken grammar: grammars are parsed at first use)."""
+    try:
+        return game_start(game, protocol, seed=seed)
+    except BadGameError as error:
+        print(f"[{stage}] WARNING: skipped a game that does not load: {error}", file=sys.stderr)
+        return None

@@ -279,6 +279,7 @@ PRESETS = {  # name -> (what it is, its values); `python gigpo.py NAME --flags`
         "the CPU learning benchmark's recipe: tiny agent, its 4 games, 12 updates of 4 x 4, state anchors (~2-3 min)",
         Args(
             **harness.LEARNING_SETTINGS["learning"],
+            clip_eps_high=0.28,  # adca_grpo.py's: one clip for every ranking arm (never acts at 1 step)
             num_updates=12,
             groups_per_update=4,
             group_size=4,
@@ -314,6 +315,8 @@ PRESETS = {  # name -> (what it is, its values); `python gigpo.py NAME --flags`
             gamma=0.95,
             step_advantage_w=1.0,
             normalize_std=True,
+            eval_temperature=0.4,
+            keep_checkpoints=3,
         ),
     ),
 }

@@ -25,7 +25,7 @@ import time
 import typing
 import zipfile
 from pathlib import Path
-from typing import Callable, Literal, Sequence
+from typing import Callable, ClassVar, Literal, Sequence
 
 import numpy as np
 import torch
@@ -34,8 +34,10 @@ from torch.distributed.tensor import DTensor
 
 import common
 import offline
+import plan
 import samplers
 import training
+from evaluation import EVAL_SEED, eval_count, evaluate, seeded_sampling  # noqa: F401 (scripts: harness.evaluate)
 from offline import TASK_TYPES
 
 
@@ -85,6 +87,8 @@ class SharedArgs:
     """The flags every script shares, declared once: each script's Args extends this (or PPOArgs) with its
     algorithm's flags, and may give a shared flag a default of its own by declaring it again (exp_name: ALGORITHM)."""
 
+    GLOBAL_COUNTS: ClassVar[tuple[str, ...]] = ()  # counts of the run that each process takes a share of
+    UPDATE_COUNTS: ClassVar[tuple[str, ...]] = ()  # the flags whose sum is the run's updates
     # ---- model and optimisation ----
     model: str = "Qwen/Qwen3-4B-Instruct-2507"
     """HF model id or local path; `tiny` = the offline tiny model (tests, smoke runs)"""
@@ -147,10 +151,15 @@ class SharedArgs:
     """W&B project"""
     save_every: int = 10
     """checkpoint every this many updates (and at the end); 0 = only at the end"""
+    keep_checkpoints: int = 0
+    """checkpoints kept on disk: the newest N (the final one, and the one --resume auto takes, among them); 0 = all"""
     eval_every: int = 10
-    """greedy evaluation every this many updates and at the end; 0 = never"""
-    eval_games: int = 20
-    """games per evaluation split (valid_seen, valid_unseen)"""
+    """evaluation every this many updates and at the end; 0 = never"""
+    eval_games: int | Literal["all"] = 20
+    """games per evaluation split (valid_seen, valid_unseen; all = every game of the split) and sampled episodes on
+    the training games, all processes together"""
+    eval_temperature: float = 0.0
+    """temperature of the evaluation splits' episodes (0 = greedy; verl-agent samples at 0.4)"""
     resume: str = ""
     """"" = new run, "auto" = newest checkpoint of the latest run named exp_name with this seed, or a checkpoint/run
     path; flags that change what the run is must equal its config.json"""
@@ -163,6 +172,12 @@ class SharedArgs:
     """named settings that become the defaults (`script.py NAME --flags`; --help lists them); flags override them"""
     config: str = ""
     """a JSON or YAML file of flag values that become the defaults (a run's config.json reruns it); flags override it"""
+    plan: bool = False
+    """print what the run needs per GPU (memory, KV cache, disk, tokens per update; from the model's config) and exit"""
+    plan_gpu_memory_gb: float = 0.0
+    """--plan: one GPU's memory in GiB (as nvidia-smi shows it; 0 = the visible device's)"""
+    plan_processes: int = 0
+    """--plan: the processes, one a GPU, to plan for (0 = the launched ones)"""
     # ---- sampler ----
     sampler: Literal["auto", "generate", "vllm-colocate", "vllm"] = "auto"
     """auto: vllm-colocate where CUDA and vLLM are, else generate; generate: model.generate() in the training process;
@@ -199,11 +214,14 @@ class PPOArgs(SharedArgs):
     """SharedArgs and the flags of a policy-gradient script that trains with the shared PPO-clip step (ppo_update):
     its update loop's sizes and the loss's settings."""
 
+    GLOBAL_COUNTS: ClassVar[tuple[str, ...]] = ("groups_per_update",)  # the run's, split: plan.process_shares
+    UPDATE_COUNTS: ClassVar[tuple[str, ...]] = ("num_updates",)  # their sum: the run's updates (plan.run_updates)
+
     # ---- the update loop and the shared PPO-clip step (ppo_update) ----
     num_updates: int = 200
     """policy updates (one rollout each)"""
     groups_per_update: int = 8
-    """G: games per update (per process), one episode group each"""
+    """G: games per update (all processes together: each plays G / processes), one episode group each"""
     group_size: int = 8
     """N: episodes sampled per game (the group size)"""
     max_turns: int = 50
@@ -235,8 +253,8 @@ def validate_model_args(args) -> None:
     check_bounds(args, ">= 0", "lora_rank")
     check_bounds(args, "> 0", "lora_alpha", "learning_rate", "max_grad_norm", "temperature", "sampler_timeout_s")
     check_bounds(args, "> 0", "sampler_deadline_s")
-    check_bounds(args, ">= 0", "weight_decay", "seed", "save_every", "eval_every", "eval_games", "threads")
-    check_bounds(args, ">= 0", "async_steps")
+    check_bounds(args, ">= 0", "weight_decay", "seed", "save_every", "eval_every", "threads", "eval_temperature")
+    check_bounds(args, ">= 0", "async_steps", "keep_checkpoints", "plan_gpu_memory_gb", "plan_processes")
     check_bounds(args, "> 0", "max_logprob_drift")
     require_all(
         (bool(args.model), "--model must not be empty"),
@@ -255,7 +273,8 @@ def validate_model_args(args) -> None:
         (bool(args.output_dir), "--output-dir must not be empty"),
         (not args.track or bool(args.wandb_project), "--wandb-project must not be empty with --track"),
         (not (args.resume and args.eval_only), "--resume and --eval-only cannot be combined"),
-        (not args.eval_only or args.eval_games >= 1, "--eval-only needs --eval-games >= 1"),
+        (eval_count(args) is None or eval_count(args) >= 0, f"--eval-games must be >= 0 or all, got {args.eval_games}"),
+        (not args.eval_only or args.eval_games != 0, "--eval-only needs --eval-games >= 1 (or all)"),
         (
             args.sampler != "vllm" or args.sampler_url.startswith(("http://", "https://")),
             f"--sampler vllm needs --sampler-url http://HOST:PORT/v1, got {args.sampler_url!r}",
@@ -325,9 +344,10 @@ def validate_ppo_args(args: PPOArgs) -> None:
 
 # Flags a resumed run may change: where and how fast it runs and what it logs, not what it trains.
 RESUME_FREE_FLAGS = tuple(
-    "preset config resume eval_only output_dir track wandb_project save_every eval_every eval_games threads micro_batch_tokens "
-    "sample_batch_size fsdp sampler sampler_url sampler_adapter_dir sampler_concurrency sampler_timeout_s "
-    "sampler_deadline_s kv_cache_mb vllm_gpu_memory_utilization".split()
+    "preset config resume eval_only output_dir track wandb_project save_every eval_every eval_games eval_temperature "
+    "threads keep_checkpoints plan plan_gpu_memory_gb plan_processes micro_batch_tokens sample_batch_size fsdp sampler "
+    "sampler_url sampler_adapter_dir sampler_concurrency sampler_timeout_s sampler_deadline_s kv_cache_mb "
+    "vllm_gpu_memory_utilization".split()
 )
 
 
@@ -435,13 +455,26 @@ def startup_checks(args, algorithm: str, accelerator, validate_args, resume_may_
         validate_args(args)
         require_all(
             (
-                not args.fsdp or accelerator.num_processes > 1,
+                not args.fsdp or (args.plan and args.plan_processes or accelerator.num_processes) > 1,
                 "--fsdp shards over several processes, and this run has one: launch it with `accelerate launch "
                 "--multi_gpu --num_processes N` (N >= 2), or drop --fsdp",
             ),
         )
+        shares = plan.process_shares(args, accelerator.num_processes)
+        if shares and accelerator.is_main_process and not args.plan:  # --plan says it for its process count
+            print(
+                f"[start] {accelerator.num_processes} process(es): "
+                + "; ".join(f"--{k.replace('_', '-')} {getattr(args, k)} ({v} per process)" for k, v in shares.items()),
+                file=sys.stderr,
+            )
         set_threads(args, int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes)))
         check_model(args.model)
+        if args.plan:  # only the plan
+            if accelerator.is_main_process:
+                print(plan.run_plan(args, args.plan_processes or accelerator.num_processes)[1])
+            raise SystemExit(0)
+        if torch.cuda.is_available() and accelerator.is_main_process:  # the plan before the run: an estimate, a warning
+            plan.warn_if_it_does_not_fit(args, accelerator.num_processes)
         require_writable_dir(args.output_dir, "--output-dir")
         if checkpoint is None and spec:
             if args.eval_only:
@@ -484,7 +517,7 @@ def startup_checks(args, algorithm: str, accelerator, validate_args, resume_may_
         games = [] if args.eval_only else training_games(args, accelerator)
         for split in ("valid_seen", "valid_unseen") if args.eval_only or args.eval_every else ():
             try:
-                games += common.eval_subset(args.data_root, split, args.task_types, args.eval_games)
+                games += common.eval_subset(args.data_root, split, args.task_types, eval_count(args))
             except FileNotFoundError:
                 pass  # evaluate() says so
         common.check_games(games)
@@ -559,10 +592,17 @@ class Runtime:
         self.protocol = samplers.chat_protocol(args, self.tokenizer)
         self.sample_fn = samplers.make_sampler(self.model, self.tokenizer, accelerator, args)
         self.greedy_fn = samplers.make_sampler(self.model, self.tokenizer, accelerator, args, greedy=True)
+        at_eval = dataclasses.replace(args, temperature=args.eval_temperature, async_steps=0)
+        sampled = at_eval.temperature and samplers.make_sampler(self.model, self.tokenizer, accelerator, at_eval)
+        self.eval_fn = sampled or self.greedy_fn  # the evaluation splits' sampler (evaluate)
         self.game_cursor = 0  # of the games in the updates trained (--async-steps: not those sampled ahead)
         self.bad_games = 0  # games skipped since the last metrics row (rollout/bad_games_skipped)
         self.on_turn: Callable[[int, int], None] | None = None  # rollout progress (the logger's turn bar)
         self.rollouts: AsyncRollouts | None = None  # --async-steps: the background sampler (Run starts it)
+
+    def share(self, name: str) -> int:
+        """This process's share of a count of the run (its Args' GLOBAL_COUNTS; start-up checked that it divides)."""
+        return getattr(self.args, name) // self.accelerator.num_processes
 
     def make_heads(self, config) -> dict[str, torch.nn.Module]:
         """The algorithm's own trainable modules on the policy (a value head reading its hidden states), by name, from
@@ -585,7 +625,7 @@ class Runtime:
             for _ in self.games:
                 game = self.games[cursor % len(self.games)]
                 cursor += 1
-                if (state := game_start_or_skip(game, self.protocol, "games", seed=cursor)) is not None:
+                if (state := common.game_start_or_skip(game, self.protocol, "games", seed=cursor)) is not None:
                     starts.append(state)
                     break
                 skipped += 1
@@ -594,14 +634,14 @@ class Runtime:
         return starts, cursor, skipped
 
     def rollout_groups(self) -> list[list[common.Trajectory]]:
-        """Step 1 of an update: --groups-per-update games from their start, --group-size episodes each, to --max-turns.
-        --async-steps 0: played now, with the weights as they are. K >= 1: the batch AsyncRollouts sampled for this
-        update, at most K versions behind these weights."""
+        """Step 1 of an update: this process's share of --groups-per-update games from their start, --group-size
+        episodes each, to --max-turns. --async-steps 0: played now, with the weights as they are. K >= 1: the batch
+        AsyncRollouts sampled for this update, at most K versions behind these weights."""
         args = self.args
         if self.rollouts is not None:
             batch = self.rollouts.next_batch()
         else:
-            starts, cursor, skipped = self.game_starts(args.groups_per_update, self.game_cursor)
+            starts, cursor, skipped = self.game_starts(self.share("groups_per_update"), self.game_cursor)
             groups = self.play(starts, args.group_size, horizon=args.max_turns, max_turns=args.max_turns)
             batch = RolloutBatch(groups, 0, cursor, skipped)
         self.game_cursor = batch.game_cursor
@@ -628,16 +668,6 @@ class Runtime:
 
     def load_state_dict(self, state: dict) -> None:
         self.game_cursor = state["game_cursor"]
-
-
-def game_start_or_skip(game: str, protocol, stage: str, seed: int = 0) -> common.SavedState | None:
-    """The game's start state; None, with a warning naming it, for a game that passed the start-up parse but does
-    not load (a broken grammar: grammars are parsed at first use)."""
-    try:
-        return common.game_start(game, protocol, seed=seed)
-    except common.BadGameError as error:
-        print(f"[{stage}] WARNING: skipped a game that does not load: {error}", file=sys.stderr)
-        return None
 
 
 @dataclasses.dataclass
@@ -731,7 +761,7 @@ class AsyncRollouts:
                         raise RolloutsStopped
                     return sample(prompts, max_new_tokens)
 
-                starts, self.cursor, skipped = rt.game_starts(args.groups_per_update, self.cursor)
+                starts, self.cursor, skipped = rt.game_starts(rt.share("groups_per_update"), self.cursor)
                 groups = rt.play(
                     starts, args.group_size, horizon=args.max_turns, max_turns=args.max_turns, sample_fn=sample_fn
                 )
@@ -769,12 +799,28 @@ class AsyncRollouts:
         self.thread.join()
 
 
+TOKEN_BUDGET_WARNING_SHARE = 0.05  # above this share of an update's episodes stopped on the token budget: a warning
+
+
+def token_budget_warning(metrics: dict, args) -> str | None:
+    """The warning (Run.gather prints the first) when more than TOKEN_BUDGET_WARNING_SHARE of an update's episodes
+    stopped on --max-trajectory-tokens rather than on a win or the turn limit."""
+    share = metrics.get("rollout/stopped/token_budget", 0.0)
+    if share > TOKEN_BUDGET_WARNING_SHARE:
+        return (
+            f"[rollout] WARNING (said once): {share:.0%} of the update's episodes stopped on --max-trajectory-tokens "
+            f"({args.max_trajectory_tokens}): raise it, or lower --max-turns / --max-turn-tokens"
+        )
+    return None
+
+
 class Run:
     """The bookkeeping around the update loop that each script's main() writes out: the run directory (new, or the
     resumed run's), its logger, and on resume the runtime, model, optimizer and RNG states as they were saved."""
 
     def __init__(self, job: Job, rt: Runtime, total_updates: int, postfix_keys: Sequence[str] = ()):
         self.job, self.rt, self.total_updates = job, rt, total_updates
+        self.warned = False  # the token budget's warning (gather)
         resumed = job.checkpoint
         self.done = job.trainer_state["update"] if resumed is not None else 0
         self.dir = resumed.parent.parent if resumed is not None else new_run_dir(job.args)
@@ -795,13 +841,19 @@ class Run:
         return range(self.done + 1, self.total_updates + 1)
 
     def gather(self, metrics: dict) -> dict:
-        """An update's metrics, with the games skipped since the last row, over all processes (reduce_metrics)."""
+        """An update's metrics, with the games skipped since the last row, over all processes (reduce_metrics). The
+        first update whose episodes stopped on the token budget more often than TOKEN_BUDGET_WARNING_SHARE says so."""
         metrics["rollout/bad_games_skipped"], self.rt.bad_games = training.SummedMetric(self.rt.bad_games), 0
         if (engine := getattr(self.rt.sample_fn, "engine", None)) is not None:  # vllm-colocate: asleep only to train
             metrics["time/engine_sleeps"], engine.sleeps = float(engine.sleeps), 0
         if self.rt.rollouts is not None:
             metrics |= self.rt.rollouts.metrics()
-        return training.reduce_metrics(self.job.accelerator, metrics)
+        metrics = training.reduce_metrics(self.job.accelerator, metrics)
+        warning = token_budget_warning(metrics, self.job.args)
+        if warning and not self.warned and self.job.accelerator.is_main_process:
+            self.warned = True
+            print(warning, file=sys.stderr)
+        return metrics
 
     def evaluates(self, update: int) -> bool:
         """Whether an evaluation follows this update (0: before the first): every --eval-every and after the last
@@ -816,7 +868,7 @@ class Run:
 
     def checkpoint(self, update: int, tags: dict) -> None:
         """Every --save-every updates and after the last: a checkpoint with the tags and every process's
-        rt.state_dict()."""
+        rt.state_dict(); then only the newest --keep-checkpoints stay."""
         args, rt = self.job.args, self.rt
         if update == self.total_updates or (args.save_every and update % args.save_every == 0):
             save_checkpoint(
@@ -830,6 +882,9 @@ class Run:
                 rt.state_dict(),
                 rt.heads,
             )
+            if args.keep_checkpoints and rt.accelerator.is_main_process:
+                for old in _checkpoints_in(self.dir)[: -args.keep_checkpoints]:
+                    shutil.rmtree(old)
 
     def close(self) -> Path:
         """Returns the run directory."""
@@ -837,78 +892,6 @@ class Run:
             self.rt.rollouts.close()
         self.logger.close()
         return self.dir
-
-
-EVAL_SEED = 0  # the sampler's seed for every evaluation: common random numbers across checkpoints and runs
-
-
-def evaluate(rt, max_turns: int) -> dict:
-    """eval/train/success_rate: --eval-games sampled episodes (rt.sample_fn, the run's temperature) per process from the
-    start of its training games, cycling through them, the sampler seeded with EVAL_SEED each time: episode success,
-    the same measure in every script. Then greedy episodes (rt.greedy_fn) on --eval-games games (eval_subset) of
-    valid_seen and valid_unseen, sharded over the processes. invalid_action_rate = turns whose reply was not an
-    admissible action (bad format or not admissible)."""
-    from accelerate.utils import gather_object
-
-    args, accelerator, metrics = rt.args, rt.accelerator, {}
-    with seeded_sampling(EVAL_SEED + accelerator.process_index):
-        starts = [game_start_or_skip(rt.games[i % len(rt.games)], rt.protocol, "eval") for i in range(args.eval_games)]
-        starts = [state for state in starts if state is not None]
-        groups = rt.play(starts, 1, horizon=max_turns, max_turns=max_turns) if starts else []
-    won = [traj.won for group in groups for traj in group]
-    won = sum(gather_object([won]), []) if accelerator.num_processes > 1 else won
-    if won:
-        metrics["eval/train/success_rate"] = sum(won) / len(won)
-    for split in ("valid_seen", "valid_unseen"):
-        try:
-            games = common.eval_subset(args.data_root, split, args.task_types, args.eval_games)
-        except FileNotFoundError as error:
-            print(f"[eval] skipping {split}: {error}", file=sys.stderr)
-            continue
-        mine = [
-            game_start_or_skip(game, rt.protocol, "eval")
-            for game in games[accelerator.process_index :: accelerator.num_processes]
-        ]
-        starts, skipped = [state for state in mine if state is not None], sum(state is None for state in mine)
-        groups = rt.play(starts, 1, horizon=max_turns, max_turns=max_turns, sample_fn=rt.greedy_fn) if starts else []
-        results = [
-            {
-                "task_type": common.load_task_type(traj.start.game_file),
-                "won": traj.won,
-                "steps": len(traj.steps),
-                "inadmissible": sum(not step.admissible for step in traj.steps),
-            }
-            for group in groups
-            for traj in group
-        ]
-        results = gather_object(results) if accelerator.num_processes > 1 else results
-        skipped = sum(gather_object([skipped])) if accelerator.num_processes > 1 else skipped
-        if skipped:
-            metrics[f"eval/{split}/bad_games_skipped"] = float(skipped)
-        if not results:
-            continue
-        won = [r for r in results if r["won"]]
-        metrics[f"eval/{split}/success_rate"] = len(won) / len(results)
-        if won:
-            metrics[f"eval/{split}/mean_steps_to_success"] = sum(r["steps"] for r in won) / len(won)
-        metrics[f"eval/{split}/invalid_action_rate"] = sum(r["inadmissible"] for r in results) / max(
-            1, sum(r["steps"] for r in results)
-        )
-        for task_type in sorted({r["task_type"] for r in results}):
-            of_type = [r["won"] for r in results if r["task_type"] == task_type]
-            metrics[f"eval/{split}/success/{task_type}"] = sum(of_type) / len(of_type)
-    return metrics
-
-
-@contextlib.contextmanager
-def seeded_sampling(seed: int):
-    """torch's RNG (the sampler's) seeded with `seed` inside, restored after: the same random numbers for every
-    checkpoint evaluated, the training run's own stream untouched."""
-    import torch
-
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        yield
 
 
 def evaluate_checkpoint(job: Job, rt: Runtime, max_turns: int) -> Path:
@@ -1162,6 +1145,7 @@ def save_checkpoint(
         state = {
             "algorithm": algorithm,
             "update": update,
+            "counts": "global",  # GLOBAL_COUNTS are the run's (before: per process; check_checkpoint)
             **trainer_state,
             **checksums,
             "rank_states": [r["state"] for r in per_rank],
@@ -1298,6 +1282,11 @@ def check_checkpoint(path: Path, args, algorithm: str, flag: str, num_processes:
         raise ValueError(
             f"{flag} {path} was written by {len(state['rank_states'])} processes; resume it with the same "
             f"number (now {num_processes})"
+        )
+    if num_processes is not None and num_processes > 1 and state.get("counts") != "global":
+        raise ValueError(
+            f"{flag} {path} was written when --groups-per-update and the other counts of an update were per process "
+            f"(now: all processes together); resume it with the commit that wrote it, or start a new run"
         )
     saved = {"--lora-rank": adapter_config.get("r")}
     ours = {"--lora-rank": args.lora_rank}

@@ -7,6 +7,7 @@ one line per experiment, mean +/- std across seeds) and TEMPO's critic panel.
 """
 
 import dataclasses
+import fnmatch
 import json
 import sys
 from collections import defaultdict
@@ -32,8 +33,9 @@ class Args:
     out: Path = Path("plots")
     """folder for the PNGs"""
     metrics: tuple[str, ...] = ("eval/train/success_rate",)
-    """metrics of the comparison figure (eval/train/success_rate: sampled episode success on the training games, the
-    same measure in every script; eval/valid_seen/success_rate, eval/valid_unseen/success_rate: greedy, held out)"""
+    """metrics of the comparison figure, or patterns of them ('eval/*/success_rate': every split's). Any logged metric:
+    eval/train/success_rate, sampled episode success on the training games, the same measure in every script;
+    eval/valid_seen/ and eval/valid_unseen/ (held out, at --eval-temperature; valid_unseen is what papers report)"""
 
 
 def load_run(run_dir: Path) -> tuple[str, list[dict], bool]:
@@ -116,7 +118,8 @@ def main(args: Args) -> list[Path]:
     if not runs:
         sys.exit(f"error: no training runs among {[str(r) for r in args.runs]}")
     logged = {key for seeds in runs.values() for rows in seeds for row in rows for key in row}
-    if unknown := [m for m in args.metrics if m not in logged]:
+    matches = {m: sorted(fnmatch.filter(logged, m)) if set(m) & set("*?[") else [m] for m in args.metrics}
+    if unknown := [m for m, matched in matches.items() if not set(matched) & logged]:
         hint = ""
         if any(m.startswith("eval/") for m in unknown) and not any(key.startswith("eval/") for key in logged):
             hint = (
@@ -128,6 +131,7 @@ def main(args: Args) -> list[Path]:
             f"error: --metrics {unknown} logged by none of the runs (no metrics.jsonl row has it){hint}; "
             f"they log e.g. {sorted(logged)[:20]}"
         )
+    args = dataclasses.replace(args, metrics=tuple(dict.fromkeys(m for matched in matches.values() for m in matched)))
     for metric in args.metrics:
         if missing := sorted(
             name for name, seeds in runs.items() if not any(metric in row for rows in seeds for row in rows)

@@ -43,7 +43,7 @@ class Args(harness.PPOArgs):
     """run name prefix: runs/{exp_name}__{seed}__{time}"""
     # ---- PPO (defaults: verl-agent's ALFWorld PPO run where they apply; docs/ppo.md says which) ----
     groups_per_update: int = 64
-    """G: games per update (per process)"""
+    """G: games per update (all processes together: each plays G / processes)"""
     group_size: int = 1
     """N: episodes sampled per game (PPO compares nothing within a group; verl-agent: 1)"""
     gamma: float = 1.0
@@ -321,7 +321,14 @@ PRESETS = {  # name -> (what it is, its values); `python ppo.py NAME --flags`
     ),
     "learning": (
         "the CPU learning benchmark's recipe: tiny agent, its 4 games, 12 updates of 4 x 4 (~2-3 min)",
-        Args(**harness.LEARNING_SETTINGS["learning"], num_updates=12, groups_per_update=4, group_size=4, max_turns=6),
+        Args(
+            **harness.LEARNING_SETTINGS["learning"],
+            clip_eps_high=0.28,  # adca_grpo.py's: one clip for every ranking arm (never acts at 1 step)
+            num_updates=12,
+            groups_per_update=4,
+            group_size=4,
+            max_turns=6,
+        ),
     ),
     "learning-long": (
         "the long-horizon CPU benchmark's recipe: tiny-agent-long, pick two / clean / cool games, T 20",
@@ -351,6 +358,8 @@ PRESETS = {  # name -> (what it is, its values); `python ppo.py NAME --flags`
             vf_clip=0.5,
             kl_loss_coef=0.01,
             invalid_action_penalty=0.01,
+            eval_temperature=0.4,
+            keep_checkpoints=3,
         ),
     ),
 }

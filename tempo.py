@@ -29,7 +29,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Sequence
+from typing import ClassVar, Literal, Sequence
 
 import torch
 
@@ -44,6 +44,8 @@ ALGORITHM = "tempo"
 # fork 2: the algorithm's flags in Args (harness.SharedArgs / PPOArgs hold the shared ones) and validate_args
 @dataclass
 class Args(harness.SharedArgs):
+    GLOBAL_COUNTS: ClassVar[tuple[str, ...]] = ("groups_per_update", "warmup_groups_per_update", "state_store_capacity")
+    UPDATE_COUNTS: ClassVar[tuple[str, ...]] = ("warmup_updates", "td_updates")
     exp_name: str = ALGORITHM
     """run name prefix: runs/{exp_name}__{seed}__{time}"""
     # ---- TEMPO ----
@@ -61,18 +63,18 @@ class Args(harness.SharedArgs):
     """what values a branch endpoint: the critic (the method) or, an ablation, the mean return of --endpoint-samples
     continuations of the episode from it by the current policy (never trained, tokens in td/oracle_generated_tokens)"""
     groups_per_update: int = 4
-    """start states per TD update (per process), one group of N branches each"""
+    """start states per TD update (all processes together: each takes its share), one group of N branches each"""
     fresh_state_share: float = 0.0
     """share of each TD update's start states that are fresh games (0: stored states, fresh games only
     when the store runs short); keeps some starts at the task's beginning when the store fills with dead ends"""
     warmup_updates: int = 4
     """phase 1: critic-only updates on Monte-Carlo returns"""
     warmup_groups_per_update: int = 4
-    """phase 1: fresh games per warm-up update, one group of N full trajectories each"""
+    """phase 1: fresh games per warm-up update (all processes together), one group of N full trajectories each"""
     td_updates: int = 40
     """phase 2: TD updates (actor + critic)"""
     state_store_capacity: int = 256
-    """FIFO capacity of the store of macro-boundary states"""
+    """FIFO capacity of the store of macro-boundary states (all processes together: each keeps its share)"""
     state_selection: Literal["outcome", "uncertain", "uniform", "source"] = "outcome"
     """outcome: drawn uniformly, but what the branches did decides, not the critic: a start state whose group had a
     gradient goes back into the store with its endpoints, a degenerate group's start and endpoints are dropped;
@@ -358,7 +360,11 @@ class Runtime(harness.Runtime):
     def __init__(self, args: Args, accelerator):
         super().__init__(args, accelerator)
         self.store = StateStore(
-            args.state_store_capacity, args.state_selection, args.uncertain_band, args.group_size, args.uncertain_floor
+            self.share("state_store_capacity"),
+            args.state_selection,
+            args.uncertain_band,
+            args.group_size,
+            args.uncertain_floor,
         )
         self.rng = random.Random(args.seed + accelerator.process_index)  # state-store sampling (saved in checkpoints)
 
@@ -468,7 +474,7 @@ def sample_row(traj: common.Trajectory, **extra) -> dict:
 def warmup_update(rt: Runtime) -> tuple[dict, list[dict]]:
     args, t0 = rt.args, time.time()
     # ---- Phase 1, step 1: fresh games, N full trajectories each (one macro step = the whole episode)
-    starts = [rt.next_game_start() for _ in range(args.warmup_groups_per_update)]
+    starts = [rt.next_game_start() for _ in range(rt.share("warmup_groups_per_update"))]
     groups = rt.play(starts, args.group_size, horizon=args.max_turns, max_turns=args.max_turns)
     trajectories = [traj for group in groups for traj in group]
     t_rollout = time.time()
@@ -536,8 +542,9 @@ def td_update(rt: Runtime) -> tuple[dict, list[dict]]:
     args, t0 = rt.args, time.time()
     # ---- Phase 2, step 1: start states from the store by --state-selection; fresh games when it runs short (or by
     # share)
-    taken = rt.store.take(args.groups_per_update - round(args.fresh_state_share * args.groups_per_update), rt.rng)
-    fresh = args.groups_per_update - len(taken)
+    share = rt.share("groups_per_update")
+    taken = rt.store.take(share - round(args.fresh_state_share * share), rt.rng)
+    fresh = share - len(taken)
     starts = [state for state, _ in taken] + [rt.next_game_start() for _ in range(fresh)]
 
     # ---- Phase 2, step 2: restore each state (replay, verified; one that fails is dropped, never fatal) and run N
@@ -817,6 +824,7 @@ PRESETS = {  # name -> (what it is, its values); `python tempo.py NAME --flags`
             learning_rate=1e-6,
             adam_betas=(0.9, 0.95),
             state_selection="source",
+            keep_checkpoints=3,
         ),
     ),
 }

@@ -536,11 +536,18 @@ def group_metrics(groups: Sequence[Sequence[common.Trajectory]]) -> dict:
 
 
 def rollout_metrics(trajectories: Sequence[common.Trajectory]) -> dict:
-    """rollout/ metrics of a batch of trajectories; {} for none."""
+    """rollout/ metrics of a batch of trajectories, the episodes counted and the share of each stop reason among
+    them (rollout/stopped/won, max_steps: --max-turns, horizon: the segment's end, token_budget:
+    --max-trajectory-tokens); {} for none."""
     steps = [step for traj in trajectories for step in traj.steps]
     if not trajectories:
         return {}
     return {
+        "rollout/episodes": SummedMetric(len(trajectories)),
+        **{
+            f"rollout/stopped/{reason}": sum(t.stop_reason == reason for t in trajectories) / len(trajectories)
+            for reason in common.STOP_REASONS
+        },
         "rollout/valid_format_rate": sum(s.valid for s in steps) / max(1, len(steps)),
         "rollout/admissible_rate": sum(s.admissible for s in steps) / max(1, len(steps)),
         "rollout/steps": len(steps) / len(trajectories),

@@ -110,13 +110,13 @@ def test_killed_with_rollouts_in_flight_a_resumed_run_samples_them_again_and_tra
 
 
 def test_two_processes_sample_ahead_each_within_the_bound_with_adapters_the_main_process_loaded(vllm, tmp_path):
-    """`accelerate launch` with 2 processes at K = 1 (gigpo.py, 3 updates of 1 game x 2 per process): each process
-    samples its own games ahead, only with versions the main process has loaded (the others wait until the server lists
-    them), so no completion meets a missing adapter: a 404, after which the process would load it itself and the run
-    would hide the race. The staleness max is over both processes; both train in step; each checkpoint holds each
-    process's cursor of the games trained, not of those sampled ahead; the server keeps at most K + 1 of the run's
-    adapters."""
-    values = {**SHORT, "groups_per_update": 1, "group_size": 2, "max_turns": 3, "num_updates": 3, "save_every": 1,
+    """`accelerate launch` with 2 processes at K = 1 (gigpo.py, 3 updates of 2 games x 2, one game per process): each
+    process samples its own games ahead, only with versions the main process has loaded (the others wait until the
+    server lists them), so no completion meets a missing adapter: a 404, after which the process would load it itself
+    and the run would hide the race. The staleness max is over both processes; both train in step; each checkpoint
+    holds each process's cursor of the games trained, not of those sampled ahead; the server keeps at most K + 1 of the
+    run's adapters."""
+    values = {**SHORT, "groups_per_update": 2, "group_size": 2, "max_turns": 3, "num_updates": 3, "save_every": 1,
               "output_dir": tmp_path / "runs", "exp_name": "async_2proc", "sampler": "vllm", "sampler_url": vllm.url,
               "async_steps": 1}  # fmt: skip
     log_start = vllm.log_file.stat().st_size

@@ -7,12 +7,14 @@ import re
 from pathlib import Path
 
 import pytest
+import yaml
 from algorithm_scripts import MODULES
 
 import adca_grpo
 import gigpo
 import harness
 import offline
+import ppo
 import samplers
 import tempo
 from benchmarks.learning import runs
@@ -166,18 +168,74 @@ def test_every_script_has_the_shared_presets_and_every_preset_is_valid(module):
         module.validate_args(preset)
 
 
+CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+
+
 def config_script(path: Path):
-    """The script a configs/ file is for: its name starts with the script's ALGORITHM (dashes for underscores)."""
-    (module,) = [m for m in MODULES.values() if path.name.startswith(m.ALGORITHM.replace("_", "-") + "-")]
-    return module
+    """The script a configs/ file is for: the one its `# Run:` line launches, with this file."""
+    run = rf"^# Run: accelerate launch (\w+)\.py --config configs/{re.escape(path.name)} "
+    (script,) = re.findall(run, path.read_text(), re.M)
+    return MODULES[script]
 
 
-@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda path: path.name)
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda path: path.name)
 def test_the_shipped_config_files_parse_and_equal_their_source_preset(path):
-    """configs/ holds each script's source preset as a file to copy and edit; the preset is where the values live."""
+    """configs/ holds each script's source preset as a file to copy and edit (the preset is where the values live), and
+    the matched baselines of the published comparisons (docs/reproduce.md)."""
     module = config_script(path)
     args = parsed(module, ["--config", str(path)])
-    assert dataclasses.replace(args, config="") == module.PRESETS["source"][1]
+    preset = re.search(r"The same values as `python \w+\.py (\w+)`", path.read_text())
+    if preset:
+        assert dataclasses.replace(args, config="") == module.PRESETS[preset.group(1)][1]
+    else:
+        module.validate_args(args)
+
+
+DIFFERENCE = re.compile(r"^#   (\w+) = (.+?): ", re.M)
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda path: path.name)
+def test_a_config_states_its_source_and_each_value_it_runs_differently(path):
+    """Its first line names the source (a paper, code at a commit, a lab repository); each setting it runs differently
+    is listed with the value it runs, and that value is the config's."""
+    text = path.read_text()
+    assert text.startswith("# Source: ") and "# Run differently here" in text and "# Not expressible here:" in text
+    args = parsed(config_script(path), ["--config", str(path)])
+    differences = DIFFERENCE.findall(text)
+    assert differences
+    for key, value in differences:
+        ours = getattr(args, key)
+        assert (list(ours) if isinstance(ours, tuple) else ours) == yaml.safe_load(value), key
+
+
+# The published comparisons as config pairs: the keys they may differ in besides their scripts' own (GiGPO vs GRPO:
+# the step advantage's weight; TEMPO vs GRPO: TEMPO's importance-sampling loss has no PPO clip); exp_name names the run.
+PAIRS = {
+    ("gigpo-qwen2.5-1.5b.yaml", "grpo-qwen2.5-1.5b.yaml"): {"step_advantage_w"},
+    ("gigpo-qwen2.5-7b.yaml", "grpo-qwen2.5-7b.yaml"): {"step_advantage_w"},
+    ("tempo-qwen3.5-4b.yaml", "grpo-qwen3.5-4b.yaml"): {"clip_eps"},
+}
+
+
+@pytest.mark.parametrize("pair", PAIRS, ids=lambda pair: " vs ".join(pair))
+def test_each_published_comparison_is_a_pair_of_configs_that_differ_only_in_the_algorithm(pair):
+    paths = [ROOT / "configs" / name for name in pair]
+    for path, other in zip(paths, reversed(pair)):  # each names its twin
+        assert f"# Pair: configs/{other} " in path.read_text()
+    first, second = (parsed(config_script(path), ["--config", str(path)]) for path in paths)
+    shared = {f.name for f in dataclasses.fields(first)} & {f.name for f in dataclasses.fields(second)}
+    differing = {key for key in shared - {"config", "exp_name"} if getattr(first, key) != getattr(second, key)}
+    assert differing == PAIRS[pair]
+    assert {p.name for p in CONFIGS} >= set(pair)
+
+
+def test_every_grpo_config_is_gigpo_without_its_step_advantage():
+    """One GRPO: gigpo.py at --step-advantage-w 0 (A = A_E), named grpo, and a twin of a published comparison."""
+    grpo = [path for path in CONFIGS if path.name.startswith("grpo-")]
+    assert grpo and all(any(path.name in pair for pair in PAIRS) for path in grpo)
+    for path in grpo:
+        args = parsed(config_script(path), ["--config", str(path)])
+        assert config_script(path) is gigpo and (args.step_advantage_w, args.exp_name) == (0.0, "grpo")
 
 
 @pytest.mark.parametrize("setting", ["short", "long"])
@@ -244,3 +302,9 @@ def test_the_learning_benchmark_runs_a_variant_at_another_learning_rate():
     ):
         with pytest.raises(ValueError, match=message):
             runs.algorithm(name)
+
+
+def test_the_ranking_settings_policy_gradient_arms_share_one_clip():
+    """GRPO, ADCA-GRPO, GiGPO and PPO clip alike in the learning presets (the ranking's); TEMPO's own loss has none."""
+    clips = {(m.PRESETS["learning"][1].clip_eps, m.PRESETS["learning"][1].clip_eps_high) for m in (adca_grpo, gigpo, ppo)}
+    assert clips == {(0.2, 0.28)}

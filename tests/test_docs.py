@@ -249,3 +249,51 @@ def test_the_ranking_table_holds_each_arm_at_the_lr_its_grid_chose():
     held_out = [name for name, _ in tables.TABLES["rank-held-out"].arms]
     for arm in tables.RANK_ARMS:
         assert tables.chosen_lr(tables.TABLES["rank-tuning"], arm) in held_out, arm
+
+
+ALGORITHM_PAGES = {"tempo": "tempo.md", "adca_grpo": "adca_grpo.md", "gigpo": "gigpo.md", "ppo": "ppo.md"}
+DESCRIBED = {"-", "off", "all", "offline set", "all attention + MLP projections", "{output_dir}/sampler_adapters"}
+
+
+def shown(value) -> str:
+    """A flag's default as the pages write it: on / off, None, numbers as numbers, sequences space-separated."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, (tuple, list)):
+        return " ".join(map(shown, value))
+    return "None" if value is None else str(value)
+
+
+def same_default(written: str, value) -> bool:
+    written = written.strip().strip("`").split(" (")[0]
+    if written in DESCRIBED and (value in (None, "") or isinstance(value, tuple)):
+        return True  # a default described in words: none, empty or the standard list
+    if written in ('""', "''"):
+        return value == ""
+    if isinstance(value, tuple):
+        return len(written.split()) == len(value) and all(map(same_default, written.split(), value))
+    if isinstance(value, (bool, str)) or value is None:
+        return written == shown(value)
+    try:
+        return float(written) == float(value)
+    except ValueError:
+        return False
+
+
+@pytest.mark.parametrize("name", ALGORITHM_PAGES)
+def test_each_algorithm_pages_flag_table_gives_the_scripts_defaults(name):
+    """The `| flag | default | meaning |` table of docs/<script>.md: every default is the script's Args default."""
+    module, text = module_of(f"{name}.py"), (ROOT / "docs" / ALGORITHM_PAGES[name]).read_text()
+    table = text[text.index("| flag | default | meaning |") :].split("\n\n")[0].splitlines()[2:]
+    wrong = []
+    for row in table:
+        flag_cell, default_cell = (cell.strip() for cell in row.strip("|").split(" | ")[:2])
+        flags = [f for f in re.findall(r"`--([\w-]+)", flag_cell) if not f.startswith("no-")]
+        defaults = re.split(r" / |, ", default_cell) if len(flags) > 1 else [default_cell]
+        defaults = defaults * len(flags) if len(defaults) == 1 else defaults  # one default for all of them
+        assert len(defaults) == len(flags), row
+        for flag, written in zip(flags, defaults):
+            value = getattr(module.Args(), flag.replace("-", "_"))
+            if not same_default(written, value):
+                wrong.append(f"--{flag}: the page says {written.strip()}, Args() has {shown(value)}")
+    assert not wrong, f"docs/{ALGORITHM_PAGES[name]}: {wrong}"

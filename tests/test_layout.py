@@ -39,6 +39,10 @@ LAYERS = {
     "training.py": (
         "The training step: teacher-forced logprobs, Datum, train_step, PPO-clip, the metrics reduced over processes."
     ),
+    "plan.py": "What a run needs before it starts: each process's share of the run's counts, and --plan's memory, disk and tokens.",
+    "evaluation.py": (
+        "Evaluation: a policy's success on its training games and on the held-out splits, with n and an interval per split."
+    ),
     "harness.py": (
         "The job around a script's update loop: flags, start-up checks, Runtime, Run, evaluation, logging, checkpoints, cli."
     ),

@@ -138,3 +138,20 @@ def test_runs_that_never_evaluated_say_so(tmp_path):
     result = _plot(*runs, tmp_path / "adca__1__0", "--out", tmp_path / "mixed")
     assert result.returncode == 0, result.stderr
     assert "eval/valid_seen/success_rate: no rows in the runs of ['grpo', 'tempo']" in result.stderr
+
+
+def test_a_pattern_plots_every_eval_metric_it_matches(tmp_path):
+    """--metrics 'eval/*/success_rate': every split each run evaluated (valid_unseen: what papers report)."""
+    for seed in (1, 2):
+        _write_run(tmp_path / f"gigpo__{seed}__0", "gigpo", seed, [0.1, 0.3], critic=False)
+        metrics_file = tmp_path / f"gigpo__{seed}__0" / "metrics.jsonl"
+        rows = [json.loads(line) for line in metrics_file.read_text().splitlines()]
+        for row in rows:
+            row["eval/valid_unseen/success_rate"] = row["eval/valid_seen/success_rate"] / 2
+        metrics_file.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    runs = [tmp_path / "gigpo__1__0", tmp_path / "gigpo__2__0"]
+    done = _plot(*runs, "--out", tmp_path / "plots", "--metrics", "eval/*/success_rate")
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "plots" / "comparison.png").read_bytes().startswith(b"\x89PNG")
+    missing = _plot(*runs, "--out", tmp_path / "plots", "--metrics", "eval/valid_x*/success_rate")
+    assert missing.returncode != 0 and "eval/valid_x*/success_rate" in missing.stderr

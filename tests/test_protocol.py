@@ -3,6 +3,8 @@
 import pytest
 
 import common
+import harness
+import training
 
 TOOL = '<tool_call>\n{"name": "alfworld_step", "arguments": {"action": "%s"}}\n</tool_call>'
 
@@ -192,8 +194,16 @@ def test_rollout_token_budget_and_max_steps(all_games, protocol):
         assert all(len(s.completion_tokens) == 64 and not s.valid for s in traj.steps)  # truncated: no call
 
     sampler = Scripted(protocol, lambda task, turn: TOOL % "look")
-    (group,) = play([start], 1, sampler, protocol, horizon=10, max_turns=4)
-    assert group[0].stop_reason == common.STOP_MAX_STEPS and len(group[0].steps) == 4
+    (turn_limit,) = play([start], 1, sampler, protocol, horizon=10, max_turns=4)
+    assert turn_limit[0].stop_reason == common.STOP_MAX_STEPS and len(turn_limit[0].steps) == 4
+
+    # rollout/ metrics: each stop reason's share, and a warning when the token budget stops more than a few
+    metrics = training.rollout_metrics([*group, *turn_limit])
+    assert metrics["rollout/episodes"] == 3 and metrics["rollout/stopped/won"] == 0
+    assert metrics["rollout/stopped/token_budget"] == 2 / 3 and metrics["rollout/stopped/max_steps"] == 1 / 3
+    warning = harness.token_budget_warning(metrics, harness.SharedArgs(max_trajectory_tokens=budget))
+    assert f"67% of the update's episodes stopped on --max-trajectory-tokens ({budget})" in warning
+    assert harness.token_budget_warning(training.rollout_metrics(turn_limit), harness.SharedArgs()) is None
 
 
 def test_rollout_continues_from_saved_state_and_drops_bad_ones(all_games, protocol):

@@ -29,6 +29,7 @@ import adca_grpo
 import common
 import harness
 import offline
+import plan
 import samplers
 import tempo
 import training
@@ -172,6 +173,13 @@ def updates(values: dict) -> int:
     return values["num_updates"] if "num_updates" in values else values["warmup_updates"] + values["td_updates"]
 
 
+def for_processes(name, values: dict, processes: int = 2) -> dict:
+    """The values with each of the run's counts (the script's GLOBAL_COUNTS) times `processes`: each process plays what
+    one process plays alone with `values`."""
+    counts = SCRIPTS[name].Args.GLOBAL_COUNTS
+    return {key: value * processes if key in counts else value for key, value in values.items()}
+
+
 def job_env(**extra) -> dict:
     return {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1", **extra}
 
@@ -188,7 +196,8 @@ def killed_job(games_root, tiny_model_dir, tmp_path_factory, judge):
         if name in done:
             return done[name]
         module, out = SCRIPTS[name], tmp_path_factory.mktemp(f"killed_{name}")
-        straight = module.main(module.Args(**settings(name, games_root, tiny_model_dir, out / "straight", judge.url)))
+        straight = settings(name, games_root, tiny_model_dir, out / "straight", judge.url, keep_checkpoints=1)
+        straight = module.main(module.Args(**straight))  # keeps only its final checkpoint (compared below)
 
         values = settings(name, games_root, tiny_model_dir, out / "killed", judge.url)
         stderr_path = out / "killed.stderr"
@@ -250,6 +259,8 @@ def test_killed_job_resumes_exactly(killed_job, name):
     assert [r["update"] for r in rows] == [r["update"] for r in expected] == list(range(1, n + 1))
     for row, want in zip(rows, expected):
         assert row.keys() == want.keys() and row["rollout/generated_tokens"] > 0
+        if "num_updates" in budget(name):  # one process plays the run's games per update
+            assert row["rollout/episodes"] == budget(name)["groups_per_update"] * budget(name)["group_size"]
         for key in row:
             if isinstance(row[key], str):
                 assert row[key] == want[key], key
@@ -257,6 +268,7 @@ def test_killed_job_resumes_exactly(killed_job, name):
                 assert row[key] == pytest.approx(want[key], rel=1e-6, abs=1e-9), (row["update"], key)
 
     final = f"update_{n:06d}"
+    assert [c.name for c in checkpoints(straight)] == [final]  # --keep-checkpoints 1: the final one only
     weights = load_file(resumed / "checkpoints" / final / "adapter_model.safetensors")
     expected_weights = load_file(straight / "checkpoints" / final / "adapter_model.safetensors")
     assert weights.keys() == expected_weights.keys()
@@ -363,10 +375,11 @@ def test_eval_only_on_a_checkpoint_same_metrics_in_every_script(
     eval_dir = module.main(module.Args(**values))
     (row,) = read_rows(eval_dir / "metrics.jsonl")
     assert row["update"] == total_updates(name) and row["checkpoint"] == str(checkpoint)
-    expected = {"eval/train/success_rate"}
+    success = ("success_rate", "n", "success_ci_low", "success_ci_high")  # with its n and 95% interval
+    expected = {f"eval/train/{key}" for key in success}
     for split in ("valid_seen", "valid_unseen"):
         task_types = {common.load_task_type(game) for game in common.eval_subset(str(games_root), split, None, 2)}
-        expected |= {f"eval/{split}/{key}" for key in ("success_rate", "invalid_action_rate")}
+        expected |= {f"eval/{split}/{key}" for key in (*success, "invalid_action_rate")}
         expected |= {f"eval/{split}/success/{task_type}" for task_type in task_types}
         if row[f"eval/{split}/success_rate"] > 0:
             expected.add(f"eval/{split}/mean_steps_to_success")
@@ -385,6 +398,8 @@ def test_eval_only_on_a_checkpoint_same_metrics_in_every_script(
         (dict(seed=-1), "--seed"),
         (dict(task_types=()), "--task-types"),
         (dict(eval_only="auto", eval_games=0), "--eval-only needs --eval-games"),
+        (dict(eval_games=-1), "--eval-games must be >= 0 or all"),
+        (dict(groups_per_update=3, plan=True, plan_processes=2), "--groups-per-update 3 is the run's count"),
         (dict(track=True, wandb_project=""), "--wandb-project"),
         (dict(model="no-such-org/no-such-model"), "--model"),
         (dict(model="/no/such/model"), "--model"),
@@ -551,6 +566,9 @@ def test_eval_only_evaluates_the_run_as_trained(name, killed_job, tmp_path, judg
         assert config[key] == trained[key], key
     (row,) = read_rows(eval_dir / "metrics.jsonl")
     assert row["checkpoint"] == str(checkpoints(run_dir)[-1]) and "eval/valid_seen/success_rate" in row
+    for split in ("valid_seen", "valid_unseen"):  # success with its n and its 95% interval
+        low, rate, high = (row[f"eval/{split}/{key}"] for key in ("success_ci_low", "success_rate", "success_ci_high"))
+        assert row[f"eval/{split}/n"] == trained["eval_games"] and 0 <= low <= rate <= high <= 1
 
 
 # =============================================================================================
@@ -778,6 +796,7 @@ def test_two_process_job(name, games_root, tiny_model_dir, tmp_path, monkeypatch
             lora_rank=lora_rank,
             **({"labeler_log_dir": str(tmp_path / "labels")} if judge else {}),
         )
+        values = for_processes(name, values)  # each process plays what one plays alone with the budget
         (tmp_path / "wandb").mkdir()
         result, leftovers = launch(name, values, tmp_path)
     assert result.returncode == 0, result.stderr[-5000:]
@@ -785,6 +804,11 @@ def test_two_process_job(name, games_root, tiny_model_dir, tmp_path, monkeypatch
     (run_dir,) = (tmp_path / "runs").iterdir()
     rows = read_rows(run_dir / "metrics.jsonl")
     assert [r["update"] for r in rows] == list(range(1, n + 1))  # one line per update: logged once
+    run_counts = {k: values.get(k, getattr(SCRIPTS[name].Args(), k)) for k in SCRIPTS[name].Args.GLOBAL_COUNTS}
+    shares = "; ".join(f"--{k.replace('_', '-')} {v} ({v // 2} per process)" for k, v in run_counts.items())
+    assert f"[start] 2 process(es): {shares}" in result.stderr
+    if name != "tempo":  # the run's games: both processes' episodes
+        assert all(r["rollout/episodes"] == values["groups_per_update"] * values["group_size"] for r in rows)
 
     # Every checkpoint was written once, holds every rank's state, and all ranks held the same adapter.
     assert [c.name for c in checkpoints(run_dir)] == [f"update_{u:06d}" for u in range(1, n + 1)]
@@ -822,11 +846,31 @@ def test_two_process_job(name, games_root, tiny_model_dir, tmp_path, monkeypatch
     assert all(r["rollout/generated_tokens"] > 0 for r in rows)
     with pytest.raises(ValueError, match="written by 2 processes"):
         tempo.main(tempo.Args(**{**values, "track": False, "resume": str(checkpoints(run_dir)[-2])}))
+    # A 2-process checkpoint written when the counts were per process (no "counts" in its state) is refused.
+    old = shutil.copytree(checkpoints(run_dir)[-2], tmp_path / "old_checkpoint")
+    state = json.loads((old / "trainer_state.json").read_text())
+    del state["counts"]
+    (old / "trainer_state.json").write_text(json.dumps(state))
+    with pytest.raises(ValueError, match="were per process"):
+        harness.check_checkpoint(old, tempo.Args(**values), "tempo", "--resume", 2)
     shutil.rmtree(checkpoints(run_dir)[-1])  # resume from update n - 1 as if the job had died in update n
     result, leftovers = launch(name, {**values, "resume": "auto"}, tmp_path)
     assert result.returncode == 0 and not leftovers, result.stderr[-5000:]
     resumed = read_rows(run_dir / "metrics.jsonl")
     assert [r["update"] for r in resumed] == list(range(1, n + 1)) and resumed[-1]["td/fresh_states"] == 0
+
+
+def test_a_count_of_the_run_that_does_not_divide_among_the_processes_is_refused_with_the_fix():
+    """The counts of an update are the run's: each process takes its share, at any process count."""
+    assert plan.process_shares(SCRIPTS["gigpo"].Args(groups_per_update=3), 1) == {"groups_per_update": 3}
+    with pytest.raises(ValueError, match=r"--groups-per-update 3 .* 2 processes.* multiple of 2 \(2 or 4\)"):
+        plan.process_shares(SCRIPTS["gigpo"].Args(groups_per_update=3), 2)
+    counts = dict(groups_per_update=8, warmup_groups_per_update=4, state_store_capacity=256)
+    assert plan.process_shares(tempo.Args(**counts), 4) == dict(
+        groups_per_update=2, warmup_groups_per_update=1, state_store_capacity=64
+    )
+    with pytest.raises(ValueError, match=r"--warmup-groups-per-update 4 .* 8 processes.* multiple of 8 \(8\)"):
+        plan.process_shares(tempo.Args(**counts), 8)
 
 
 def test_two_process_job_full_weights(games_root, tiny_model_dir, tmp_path, monkeypatch):
@@ -943,6 +987,7 @@ def test_fsdp_two_process_job(
             straight["num_updates"] = kill_after(name) + 1
         if name not in TRAINS_ON_THE_RANDOM_MODEL:
             straight |= tiny_agent | ON_THE_TINY_AGENT.get(name, OUTCOMES_ON_THE_TINY_AGENT)
+        straight = for_processes(name, straight)
         if vllm:
             straight |= dict(sampler="vllm", sampler_url=vllm.url, sampler_adapter_dir=str(tmp_path / "adapters"))
         if name == FSDP_BF16 and not lora_rank:
