@@ -64,6 +64,7 @@ def serve_together(items) -> None:
     modules = [path for path in share if not share[path]] + sorted((p for p in share if share[p]), key=share.get, reverse=True)
     rank = {path: i for i, path in enumerate(modules)}
     items.sort(key=lambda item: (rank[item.path], not uses_the_server(item)))
+    LAST_USER[:] = [item for item in items if uses_the_server(item)][-1:]
 
 
 def uses_the_server(item) -> bool:
@@ -76,12 +77,13 @@ def uses_the_server(item) -> bool:
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_teardown(item, nextitem):
     yield
-    if uses_the_server(item) and (nextitem is None or not uses_the_server(nextitem)) and SERVERS:
+    if LAST_USER and item is LAST_USER[0]:
         for server in SERVERS:  # the session fixtures' own stop at the end then has nothing left to do
             server.stop()
 
 
 SERVERS = []  # the real vLLM servers the session started (the `vllm` fixture's and its companion's)
+LAST_USER = []  # the last test of the session that uses them: they stop after it
 
 
 @pytest.fixture(scope="session")

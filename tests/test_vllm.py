@@ -244,7 +244,7 @@ def test_a_server_without_lora_is_refused_at_start(vllm_without_lora, trainer):
             samplers.make_sampler(model, tokenizer, accelerator, server_args(args, vllm_without_lora.wait_ready().url))
     finally:
         vllm_without_lora.stop()  # used only here
-    assert "500 Call to add_lora method failed: Worker failed with error 'LoRA is not enabled." in str(error.value)
+    assert "500 Call to add_lora method failed" in str(error.value)
 
 
 def read_rows(run_dir: Path) -> list[dict]:
