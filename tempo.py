@@ -44,7 +44,7 @@ ALGORITHM = "tempo"
 # fork 2: the algorithm's flags in Args (harness.SharedArgs / PPOArgs hold the shared ones) and validate_args
 @dataclass
 class Args(harness.SharedArgs):
-    GLOBAL_COUNTS: ClassVar[tuple[str, ...]] = ("groups_per_update", "warmup_groups_per_update", "state_store_capacity")
+    GLOBAL_COUNTS: ClassVar[tuple[str, ...]] = ("groups_per_update", "warmup_groups_per_update")
     UPDATE_COUNTS: ClassVar[tuple[str, ...]] = ("warmup_updates", "td_updates")
     exp_name: str = ALGORITHM
     """run name prefix: runs/{exp_name}__{seed}__{time}"""
@@ -74,7 +74,7 @@ class Args(harness.SharedArgs):
     td_updates: int = 40
     """phase 2: TD updates (actor + critic)"""
     state_store_capacity: int = 256
-    """FIFO capacity of the store of macro-boundary states (all processes together: each keeps its share)"""
+    """FIFO capacity of each process's store of macro-boundary states"""
     state_selection: Literal["outcome", "uncertain", "uniform", "source"] = "outcome"
     """outcome: drawn uniformly, but what the branches did decides, not the critic: a start state whose group had a
     gradient goes back into the store with its endpoints, a degenerate group's start and endpoints are dropped;
@@ -360,11 +360,7 @@ class Runtime(harness.Runtime):
     def __init__(self, args: Args, accelerator):
         super().__init__(args, accelerator)
         self.store = StateStore(
-            self.share("state_store_capacity"),
-            args.state_selection,
-            args.uncertain_band,
-            args.group_size,
-            args.uncertain_floor,
+            args.state_store_capacity, args.state_selection, args.uncertain_band, args.group_size, args.uncertain_floor
         )
         self.rng = random.Random(args.seed + accelerator.process_index)  # state-store sampling (saved in checkpoints)
 

@@ -18,6 +18,7 @@ import pytest
 import tyro
 
 import harness
+import plan
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -198,6 +199,8 @@ def test_command_parses(page, command, tmp_path, monkeypatch):
         args = harness.cli(module.Args, lambda a: a, module.PRESETS, argv=substituted(argv, tmp_path, module))
         assert isinstance(args, module.Args)
         module.validate_args(args)
+        if "--num_processes" in tokens:  # the run's counts divide among the processes it launches
+            plan.process_shares(args, int(tokens[tokens.index("--num_processes") + 1]))
     elif kind(script) == "tyro":
         module = module_of(script)
         assert isinstance(tyro.cli(module.Args, args=substituted(argv, tmp_path)), module.Args)

@@ -865,10 +865,8 @@ def test_a_count_of_the_run_that_does_not_divide_among_the_processes_is_refused_
     assert plan.process_shares(SCRIPTS["gigpo"].Args(groups_per_update=3), 1) == {"groups_per_update": 3}
     with pytest.raises(ValueError, match=r"--groups-per-update 3 .* 2 processes.* multiple of 2 \(2 or 4\)"):
         plan.process_shares(SCRIPTS["gigpo"].Args(groups_per_update=3), 2)
-    counts = dict(groups_per_update=8, warmup_groups_per_update=4, state_store_capacity=256)
-    assert plan.process_shares(tempo.Args(**counts), 4) == dict(
-        groups_per_update=2, warmup_groups_per_update=1, state_store_capacity=64
-    )
+    counts = dict(groups_per_update=8, warmup_groups_per_update=4)
+    assert plan.process_shares(tempo.Args(**counts), 4) == dict(groups_per_update=2, warmup_groups_per_update=1)
     with pytest.raises(ValueError, match=r"--warmup-groups-per-update 4 .* 8 processes.* multiple of 8 \(8\)"):
         plan.process_shares(tempo.Args(**counts), 8)
 
