@@ -262,7 +262,7 @@ FIGURE_ARMS = dict(
 
 def figure_numbers() -> dict:
     """What the figure shows, per panel (confirmatory, exploratory) and arm: n, and the end's mean with its 95% t
-    interval and its difference from GRPO with Welch's 95% interval (None where n < 2)."""
+    interval and its difference from GRPO with Welch's 95% interval (at one seed the point alone)."""
     path = ROOT / confirmatory.FOLDER / "results.json"
     confirm = json.loads(path.read_text()) if path.is_file() else {"runs": {}}
     table = TABLES["rank-held-out"]
@@ -279,18 +279,31 @@ def figure_numbers() -> dict:
         numbers[panel] = {
             name: {
                 "n": len(values),
-                "end": [round(v, 4) for v in confirmatory.mean_interval(values)] if len(values) > 1 else None,
-                "difference": [round(v, 4) for v in compare.difference_interval(values, reference)]
-                if len(values) > 1 and len(reference) > 1 and name != confirmatory.REFERENCE else None,
+                "end": estimate(confirmatory.mean_interval, values),
+                "difference": None if name == confirmatory.REFERENCE else estimate(
+                    compare.difference_interval, values, reference
+                ),
             }
             for name in FIGURE_ARMS if (values := ends.get(name)) is not None
         }  # fmt: skip
     return numbers
 
 
+def estimate(interval, *samples: list[float]) -> list | None:
+    """interval(*samples) rounded: (estimate, low, high); with a single value in a sample, the point alone (low and
+    high None); None without values."""
+    if not all(samples):
+        return None
+    if min(map(len, samples)) > 1:
+        return [round(v, 4) for v in interval(*samples)]
+    means = [sum(sample) / len(sample) for sample in samples]
+    return [round(means[0] - (means[1] if len(means) > 1 else 0.0), 4), None, None]
+
+
 def draw_figure(numbers: dict, path: Path) -> None:
     """The figure: per row (confirmatory, exploratory), each arm's end sampled success with its 95% t interval and
-    its difference from GRPO with Welch's 95% interval; the numbers drawn are kept in the PNG's Description."""
+    its difference from GRPO with Welch's 95% interval (a hollow point: one seed, no interval); the numbers drawn are
+    kept in the PNG's Description."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -311,9 +324,11 @@ def draw_figure(numbers: dict, path: Path) -> None:
             title += f"\nthe start {start:.2f} (dashed)"
         for ax, key in ((end_ax, "end"), (diff_ax, "difference")):
             for y, name in enumerate(names):
-                estimate = arms.get(name, {}).get(key)
-                if estimate:
-                    mean, low, high = estimate
+                point = arms.get(name, {}).get(key)
+                if point and point[1] is None:  # one seed: the point, hollow, without an interval
+                    ax.plot(point[0], y, "o", mfc="none", color="C0")
+                elif point:
+                    mean, low, high = point
                     ax.errorbar(mean, y, xerr=[[mean - low], [high - mean]], fmt="o", color="C0", capsize=3)
             ax.set_yticks(range(len(names)), labels if ax is end_ax else [""] * len(names), fontsize=8)
             ax.grid(axis="x", alpha=0.3)
