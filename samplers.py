@@ -291,11 +291,16 @@ def engine_bytes(args) -> tuple[int, int]:
     config = model_config(args.model)
     with torch.device("meta"):
         parameters = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
-    size = model_precision(args, torch.device("cuda"))[0].itemsize
+    dtype = model_precision(args, torch.device("cuda"))[0]
+    return parameters * dtype.itemsize, kv_token_bytes(config, dtype)
+
+
+def kv_token_bytes(config, dtype: torch.dtype) -> int:
+    """The keys and values of one token in every layer, at `dtype`, from the model's config."""
     text = config.get_text_config(decoder=True)
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-    return parameters * size, 2 * text.num_hidden_layers * kv_heads * head_dim * size
+    return 2 * text.num_hidden_layers * kv_heads * head_dim * dtype.itemsize
 
 
 def make_sampler(model, tokenizer, accelerator, args, greedy: bool = False) -> common.SampleFn:
@@ -339,10 +344,8 @@ class GenerateSampler:
                 file=sys.stderr,
             )
         self.budget_bytes = args.kv_cache_mb * 2**20 if full_attention else 0
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        kv_size = model_precision(args, accelerator.device)[0].itemsize  # keys and values come out at the compute dtype
-        self.token_bytes = 2 * config.num_hidden_layers * kv_heads * head_dim * kv_size  # a token's KV, every layer
+        # keys and values come out at the compute dtype
+        self.token_bytes = kv_token_bytes(config, model_precision(args, accelerator.device)[0])
         self.kept: list[tuple[list[int], RowCache]] = []
         self.kept_bytes, self.weights_version = 0, None
         self.stats = Counter()  # prompt tokens "prefilled" and "reused" (from a kept cache), sequences "not_kept"
