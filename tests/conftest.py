@@ -14,8 +14,18 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO")
 
 import common  # noqa: E402
 import offline  # noqa: E402
+import torch  # noqa: E402
 
 GAMES_PER_TASK = 2
+TORCH_SET_NUM_THREADS = torch.set_num_threads
+
+
+@pytest.fixture(autouse=True)
+def restore_torch_set_num_threads():
+    """An in-process vLLM CPU engine replaces torch.set_num_threads with a no-op for the rest of the process
+    (vllm/v1/worker/cpu_worker.py, "doesn't allow ... after the thread binding"); give the next test the real one."""
+    yield
+    torch.set_num_threads = TORCH_SET_NUM_THREADS
 
 
 def pytest_addoption(parser):

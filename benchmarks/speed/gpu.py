@@ -298,7 +298,7 @@ class Check:
 
     def sampling_line(self, tokens: int, seconds: float) -> dict:
         return {
-            "seconds": round(seconds, 2),
+            "seconds": round(seconds, 4),
             "sampled_tokens": tokens,
             "sampled_tokens_per_s": round(tokens / seconds, 1),
             "sample_mfu": mfu(2 * self.parameters * tokens, seconds, self.tflops),
@@ -364,8 +364,8 @@ class Check:
             "datums": len(datums),
             "forward_tokens": forward_tokens,
             "trained_tokens": metrics["train/tokens"],
-            "seconds": round(seconds, 2),
-            "plain_seconds": round(reference_s, 2),
+            "seconds": round(seconds, 4),
+            "plain_seconds": round(reference_s, 4),
             "ratio_to_plain": round(reference_s / seconds, 3),  # > 1: faster than the plain forward + backward
             "trained_tokens_per_s": round(metrics["train/tokens"] / seconds, 1),
             "forward_tokens_per_s": round(forward_tokens / seconds, 1),
