@@ -959,12 +959,23 @@ def colocated_engine(args, accelerator) -> ColocatedEngine:
 
 
 def close_colocated_engine() -> None:
-    """Shut this process's engine down, if it has one, and remove its files (before torch.distributed is closed:
-    vLLM's shutdown tears down the process groups it made)."""
+    """Shut this process's engine down, if it has one, remove its files and destroy the process groups vLLM made
+    beside the trainer's (before torch.distributed is closed)."""
+    if not _COLOCATED_ENGINES:
+        return
     for engine in _COLOCATED_ENGINES.values():
         engine.llm.llm_engine.engine_core.shutdown()
         shutil.rmtree(engine.dir, ignore_errors=True)
     _COLOCATED_ENGINES.clear()
+    from vllm.distributed import parallel_state
+
+    # The one-process and external-launcher shutdown stops the worker only (v1/executor/uniproc_executor.py; only
+    # multiproc_executor.py destroys groups). vLLM's own destroy_distributed_environment would also destroy the
+    # trainer's default group (distributed/parallel_state.py), so its world group is destroyed here by hand.
+    parallel_state.destroy_model_parallel()
+    if parallel_state._WORLD is not None:
+        parallel_state._WORLD.destroy()
+        parallel_state._WORLD = None
     gc.collect()
 
 

@@ -957,7 +957,7 @@ ON_THE_TINY_AGENT = {
 OUTCOMES_ON_THE_TINY_AGENT = dict(max_turn_tokens=48, max_turns=6, learning_rate=1e-4)
 FSDP_VLLM = "gigpo"  # its LoRA job samples through the vLLM server (on the tiny agent, which the server serves)
 FSDP_EVAL_ONLY = "gigpo"  # its resumed run (full weights) is also evaluated with --eval-only (once: ~5-10 s each)
-FSDP_BF16 = "ppo"  # its full-weights job computes in bfloat16: float32 shards, the gathered weights cast to bfloat16
+FSDP_BF16 = "ppo"  # its full-weights job computes in bfloat16: float32 shards and float32 gathered weights
 
 
 @pytest.mark.parametrize(
