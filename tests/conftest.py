@@ -12,11 +12,11 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 # suite starts, and the vLLM tests read the engine's INFO lines (its start, the adapters a server loaded)
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO")
 
-import common  # noqa: E402
-import offline  # noqa: E402
 import torch  # noqa: E402
 
-GAMES_PER_TASK = 2
+import common  # noqa: E402
+import offline  # noqa: E402
+
 TORCH_SET_NUM_THREADS = torch.set_num_threads
 
 
@@ -32,29 +32,32 @@ def pytest_addoption(parser):
     parser.addoption(
         "--script",
         metavar="NAME",
+        action="append",
+        default=[],
         help="run only the tests of the algorithm script NAME.py: its own tests/test_NAME.py and the cases every "
         "script gets (layout, presets and config files, its docs page's commands, the training jobs), none of another "
-        "script",
+        "script; given again, those of each NAME",
     )
 
 
 def pytest_collection_modifyitems(config, items):
     """--script NAME: keep tests/test_NAME.py and the tests parametrized with that script (its name, NAME.py, its
     module, a pair holding it, or its docs page docs/NAME.md); deselect the rest."""
-    name = config.getoption("--script")
-    if not name:
+    names = config.getoption("--script")
+    if not names:
         serve_together(items)
         return
+    spellings = {spelling for name in names for spelling in (name, f"{name}.py", f"docs/{name}.md")}
 
     def names_it(value) -> bool:
         if isinstance(value, tuple):
             return any(names_it(v) for v in value)
-        return value in (name, f"{name}.py", f"docs/{name}.md") or getattr(value, "__name__", None) == name
+        return (isinstance(value, str) and value in spellings) or getattr(value, "__name__", None) in names
 
     keep = [
         item
         for item in items
-        if item.path.name == f"test_{name}.py"
+        if item.path.name in {f"test_{name}.py" for name in names}
         or (hasattr(item, "callspec") and any(map(names_it, item.callspec.params.values())))
     ]
     config.hook.pytest_deselected(items=[item for item in items if item not in keep])
@@ -71,7 +74,9 @@ def serve_together(items) -> None:
     for item in items:
         share.setdefault(item.path, []).append(uses_the_server(item))
     share = {path: sum(flags) / len(flags) for path, flags in share.items()}
-    modules = [path for path in share if not share[path]] + sorted((p for p in share if share[p]), key=share.get, reverse=True)
+    modules = [path for path in share if not share[path]] + sorted(
+        (p for p in share if share[p]), key=share.get, reverse=True
+    )
     rank = {path: i for i, path in enumerate(modules)}
     items.sort(key=lambda item: (rank[item.path], not uses_the_server(item)))
     LAST_USER[:] = [item for item in items if uses_the_server(item)][-1:]
@@ -97,11 +102,11 @@ LAST_USER = []  # the last test of the session that uses them: they stop after i
 
 
 @pytest.fixture(scope="session")
-def games_root(tmp_path_factory) -> Path:
-    """A small generated game set in ALFWorld's download layout (every task type)."""
-    root = tmp_path_factory.mktemp("alfworld")
-    offline.make_games(root, n=GAMES_PER_TASK * len(common.TASK_TYPES), seed=0, log=lambda *a: None)
-    return root
+def games_root() -> Path:
+    """A small generated game set in ALFWorld's download layout (every task type; tests copy it before they change
+    it): the generator's first 12 games, made once into the home cache and shared with the suite's nested runs (the
+    floors', the forks') and the learning test (offline.tiny_agent_games: the same games)."""
+    return offline.tiny_agent_games()
 
 
 @pytest.fixture(scope="session")
