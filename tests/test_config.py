@@ -307,5 +307,7 @@ def test_the_learning_benchmark_runs_a_variant_at_another_learning_rate():
 
 def test_the_ranking_settings_policy_gradient_arms_share_one_clip():
     """GRPO, ADCA-GRPO, GiGPO and PPO clip alike in the learning presets (the ranking's); TEMPO's own loss has none."""
-    clips = {(m.PRESETS["learning"][1].clip_eps, m.PRESETS["learning"][1].clip_eps_high) for m in (adca_grpo, gigpo, ppo)}
+    clips = {
+        (m.PRESETS["learning"][1].clip_eps, m.PRESETS["learning"][1].clip_eps_high) for m in (adca_grpo, gigpo, ppo)
+    }
     assert clips == {(0.2, 0.28)}
