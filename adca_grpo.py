@@ -5,12 +5,12 @@ Per update: play G games x N full episodes each (one GRPO group per game), score
 observation, the agent's numbered replies with the game's answers, and the outcome as +1/-1), z-score the labels
 and the outcomes separately within each group, fuse them per step (alpha * labels + outcome on the last step),
 take suffix sums as the step advantages, broadcast them to the generated tokens, and take PPO-clip steps on a LoRA
-adapter. With `--no-attribution`, `--alpha 0` or after `--prm-steps` updates it is plain multi-turn GRPO (the
-baseline): every generated token gets its episode's GRPO outcome advantage.
+adapter. With `--no-attribution`, `--alpha 0` or after `--prm-steps` updates it is per-episode GRPO (the
+learning benchmark's baseline): every generated token gets its episode's GRPO outcome advantage.
 
     python adca_grpo.py --labeler-base-url http://localhost:8000/v1 --labeler-model Qwen/Qwen3-32B
     python adca_grpo.py --labeler-backend self      # the policy labels its own steps: no endpoint, no key
-    python adca_grpo.py --no-attribution            # plain multi-turn GRPO
+    python adca_grpo.py --no-attribution            # per-episode GRPO
     python adca_grpo.py --model tiny --help
 """
 
@@ -58,9 +58,9 @@ class Args(harness.PPOArgs):
     """weight of the per-token KL to the base model (the adapter disabled) subtracted from the advantage; 0 = off"""
     # ---- ADCA: step attribution ----
     attribution: bool = True
-    """label steps and use the labels (--no-attribution: plain multi-turn GRPO)"""
+    """label steps and use the labels (--no-attribution: per-episode GRPO)"""
     alpha: float = 0.1
-    """weight of the z-scored step labels next to the z-scored outcome (0 = plain GRPO)"""
+    """weight of the z-scored step labels next to the z-scored outcome (0 = per-episode GRPO)"""
     alpha_schedule: Literal["constant", "cosine"] = "constant"
     """constant alpha, or cosine decay from --alpha to --alpha-min over the --prm-steps labelled updates"""
     alpha_min: float = 0.0
@@ -76,9 +76,9 @@ class Args(harness.PPOArgs):
     skip_type: Literal["skip_small_adv", "skip_all_neg", "none"] = "skip_small_adv"
     """trajectories not sent to the labeller: |outcome advantage| < 1e-8, outcome <= 0, or none"""
     prm_steps: int = 20
-    """label only during the first N updates (cost control), plain GRPO after"""
+    """label only during the first N updates (cost control), per-episode GRPO after"""
     prm_metrics_only: bool = False
-    """label and log the prm/ dashboard, but train with plain GRPO advantages (to judge a labeller before trusting it)"""
+    """label and log the prm/ dashboard, but train with per-episode GRPO advantages (to judge a labeller first)"""
     # ---- ADCA: the labeller ----
     labeler_backend: Literal["auto", "api", "self", "oracle"] = "auto"
     """api: an OpenAI-compatible endpoint; self: the policy itself, greedy; oracle: privileged planner judgments
@@ -154,7 +154,7 @@ def validate_args(args: Args) -> None:
 
 # fork 3: the algorithm's signals and prompts: functions of trajectories, replies and flags (no Runtime)
 # =============================================================================================
-# ADCA advantages (update steps 2, 4 and 5): AgentEvolver's decouple fusion of labels and outcomes, the plain GRPO
+# ADCA advantages (update steps 2, 4 and 5): AgentEvolver's decouple fusion of labels and outcomes, the per-episode GRPO
 # baseline
 # =============================================================================================
 EPS = 1e-8
@@ -178,7 +178,7 @@ def within_groups(orm_scores: Sequence[float], group_ids: Sequence[int], normali
 
 
 def grpo_advantages(orm_scores: Sequence[float], group_ids: Sequence[int]) -> list[float]:
-    """The plain GRPO baseline's outcome advantage, as veRL computes it for AgentEvolver's trainer:
+    """The per-episode GRPO baseline's outcome advantage, as veRL computes it for AgentEvolver's trainer:
     (score - group mean) / (unbiased group std + 1e-6); a group of one is left as it is (mean 0, std 1)."""
 
     def normalize(scores):
@@ -323,7 +323,7 @@ def suffix_sum(step_rewards: Sequence[Sequence[float]]) -> list[list[float]]:
 def step_advantages(
     orm_scores: Sequence[float], step_flags: Sequence[Sequence[bool]], group_ids: Sequence[int], decouple: dict | None
 ) -> list[list[float]]:
-    """The advantage of every step. decouple=None: plain multi-turn GRPO, every step gets its episode's
+    """The advantage of every step. decouple=None: per-episode GRPO, every step gets its episode's
     GRPO outcome advantage, whatever the decouple settings say. Otherwise: suffix sums of the decouple's step
     rewards (decouple_step_rewards' keyword arguments)."""
     if decouple is None:
@@ -735,7 +735,7 @@ def decouple_settings(args: Args, update: int) -> dict:
 
 
 def trained_decouple(args: Args, update: int) -> dict | None:
-    """The decouple settings that shape update `update`'s advantages, or None: plain multi-turn GRPO (no labels in
+    """The decouple settings that shape update `update`'s advantages, or None: per-episode GRPO (no labels in
     this update, or --prm-metrics-only), whatever the decouple flags say."""
     return decouple_settings(args, update) if labelling_at(update, args) and not args.prm_metrics_only else None
 
@@ -756,7 +756,7 @@ class Runtime(harness.Runtime):
         process's share of --labeler-concurrency), then harness.Runtime's parts and the label log."""
         rank, processes = accelerator.process_index, accelerator.num_processes
         backend = labeler_backend(args) if needs_labels(args) else None
-        self.labeler: Callable[[Sequence[LabelRequest]], list[LabelReply]] | None = None  # None: plain GRPO
+        self.labeler: Callable[[Sequence[LabelRequest]], list[LabelReply]] | None = None  # None: per-episode GRPO
         if backend == "api":
             harness.require_all(
                 (
@@ -817,7 +817,7 @@ def adca_update(rt: Runtime, update: int) -> tuple[dict, list[dict]]:
     t_label = time.time()
 
     # ---- steps 4-5: decouple the outcome and the labels into step rewards, suffix sums over the steps
-    # (--prm-metrics-only: only logged); without labels, plain multi-turn GRPO
+    # (--prm-metrics-only: only logged); without labels, per-episode GRPO
     if labelling:
         metrics |= decouple_health_metrics(orm_scores, step_flags, group_ids, **decouple_settings(args, update))
     advantages_per_step = step_advantages(orm_scores, step_flags, group_ids, trained_decouple(args, update))
@@ -857,7 +857,7 @@ def update_samples(trajectories, outcome_advantages, step_flags, advantages_per_
 
 def label_steps(rt: Runtime, update: int, labelling: bool, trajectories, outcome_advantages, orm_scores):
     """(step flags per trajectory, prm/ metrics) from the labeller; without labelling, uniform flags as for a
-    skipped trajectory (plain GRPO does not read them)."""
+    skipped trajectory (per-episode GRPO does not read them)."""
     args = rt.args
     metrics = {"prm/alpha": alpha_at(update - 1, args) if labelling else 0.0, "prm/labelling": float(labelling)}
     if not labelling:

@@ -230,12 +230,13 @@ def test_each_published_comparison_is_a_pair_of_configs_that_differ_only_in_the_
 
 
 def test_every_grpo_config_is_gigpo_without_its_step_advantage():
-    """One GRPO: gigpo.py at --step-advantage-w 0 (A = A_E), named grpo, and a twin of a published comparison."""
+    """The configs' GRPO is verl-agent's: gigpo.py at --step-advantage-w 0 (A = A_E), a twin of a published
+    comparison, its runs named grpo-verl (grpo is adca_grpo.py --no-attribution's: plot.py would merge the two)."""
     grpo = [path for path in CONFIGS if path.name.startswith("grpo-")]
     assert grpo and all(any(path.name in pair for pair in PAIRS) for path in grpo)
     for path in grpo:
         args = parsed(config_script(path), ["--config", str(path)])
-        assert config_script(path) is gigpo and (args.step_advantage_w, args.exp_name) == (0.0, "grpo")
+        assert config_script(path) is gigpo and (args.step_advantage_w, args.exp_name) == (0.0, "grpo-verl")
 
 
 @pytest.mark.parametrize("setting", ["short", "long"])
@@ -306,5 +307,7 @@ def test_the_learning_benchmark_runs_a_variant_at_another_learning_rate():
 
 def test_the_ranking_settings_policy_gradient_arms_share_one_clip():
     """GRPO, ADCA-GRPO, GiGPO and PPO clip alike in the learning presets (the ranking's); TEMPO's own loss has none."""
-    clips = {(m.PRESETS["learning"][1].clip_eps, m.PRESETS["learning"][1].clip_eps_high) for m in (adca_grpo, gigpo, ppo)}
+    clips = {
+        (m.PRESETS["learning"][1].clip_eps, m.PRESETS["learning"][1].clip_eps_high) for m in (adca_grpo, gigpo, ppo)
+    }
     assert clips == {(0.2, 0.28)}

@@ -2,8 +2,10 @@
 Qwen2.5-1.5B and Qwen3-4B (their configs built here from the published hyperparameters: nothing is downloaded)."""
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
+import torch
 from transformers import Qwen2Config, Qwen3Config
 
 import gigpo
@@ -107,3 +109,18 @@ def test_plan_prints_the_plan_and_exits_before_anything_loads(tmp_path, capsys):
     assert exit_.value.code == 0 and not (tmp_path / "runs").exists()
     assert "1.54B parameters" in out and "8 process(es), one a GPU of 80 GiB" in out and out.rstrip().endswith("fits")
     assert "(--keep-checkpoints 3)" in out and "KV cache for" in out
+
+
+def test_on_cuda_a_plan_that_does_not_fit_warns_at_start_and_one_that_fits_says_nothing(tmp_path, monkeypatch, capsys):
+    """What harness runs on CUDA before the model loads: the visible device's memory (here a 40 GiB GPU, as
+    torch.cuda reports it) against the plan, one warning with the plan and its fix when it does not fit."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: SimpleNamespace(total_memory=40 * GIB))
+    Qwen3Config(**QWEN3_4B).save_pretrained(tmp_path / "qwen3-4b")  # full weights: 72 GB with AdamW alone
+    plan.warn_if_it_does_not_fit(run_args(model=str(tmp_path / "qwen3-4b"), lora_rank=0, kl_loss_coef=0.0), 1)
+    err = capsys.readouterr().err
+    assert "[start] WARNING: by --plan's estimate the run does not fit the GPU" in err
+    assert "one a GPU of 40 GiB" in err and "does NOT fit: " in err and "--fsdp" in err
+    Qwen2Config(**QWEN25_15B).save_pretrained(tmp_path / "qwen2.5-1.5b")  # LoRA r32: a few GiB
+    plan.warn_if_it_does_not_fit(run_args(model=str(tmp_path / "qwen2.5-1.5b")), 1)
+    assert capsys.readouterr().err == ""
