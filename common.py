@@ -20,9 +20,12 @@ import contextlib
 import ctypes
 import dataclasses
 import functools
+import hashlib
+import importlib.metadata
 import io
 import json
 import os
+import pickle
 import random
 import re
 import sys
@@ -252,6 +255,33 @@ def _parse_query(expression: str) -> textworld.logic.Rule:
 PLAN_CACHE_SIZE = 4096  # planner results kept per parsed game (AlfredEnv.expert_plan)
 
 
+TRANSLATIONS = offline.DEFAULT_CACHE_DIR / "translations"
+TRANSLATED_BY = "\0".join(importlib.metadata.version(n) for n in ("textworld", "fast_downward_textworld"))
+
+
+def translated(data: dict) -> tuple:
+    """(GameLogic, task, sas, sas_replan) of a game: TatSu's parse of its domain and grammar and Fast Downward's
+    translations of its problem, ~1.5 s a game and the same in every process, so kept in the cache (pickled, ~2 ms
+    to read back) keyed by their texts and the two packages' versions. A file that cannot be read back is remade."""
+    texts = (data["pddl_domain"], data["grammar"], data["pddl_problem"], TRANSLATED_BY)
+    path = TRANSLATIONS / f"{hashlib.sha256(chr(0).join(texts).encode()).hexdigest()[:32]}.pickle"
+    with contextlib.suppress(Exception):  # missing, torn or made by another version of a class: remade below
+        return pickle.loads(path.read_bytes())
+    logic = pddl_logic.GameLogic(domain=data["pddl_domain"], grammar=data["grammar"])
+    argv = sys.argv  # the translator overwrites sys.argv
+    try:
+        task, sas = fast_downward.pddl2sas(logic.domain, data["pddl_problem"])
+        _, sas_replan = fast_downward.pddl2sas(logic.domain, data["pddl_problem"], optimize=True)
+    finally:
+        sys.argv = argv
+    with contextlib.suppress(OSError):  # a read-only cache costs only the time
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+        tmp.write_bytes(pickle.dumps((logic, task, sas, sas_replan), protocol=pickle.HIGHEST_PROTOCOL))
+        os.replace(tmp, path)
+    return logic, task, sas, sas_replan
+
+
 class _Game:
     """Everything about one game file that does not change while playing it (shared by branches)."""
 
@@ -259,7 +289,7 @@ class _Game:
         self.game_file = game_file
         data = read_game_json(game_file)
         self.walkthrough = list(data.get("walkthrough") or [])
-        self.logic = pddl_logic.GameLogic(domain=data["pddl_domain"], grammar=data["grammar"])
+        self.logic, self.task, self.sas, self.sas_replan = translated(data)
         self.rules = dict(self.logic.grammar._rules)
         self.conditions = {
             id(rule): _parse_query(rule.condition) for rules in self.rules.values() for rule in rules if rule.condition
@@ -270,12 +300,6 @@ class _Game:
                 self._compile_symbols(rule.rhs)
         for action in self.logic.actions.values():
             self._compile_symbols(_parse_symbols(action.template))
-        argv = sys.argv  # the translator overwrites sys.argv
-        try:
-            self.task, self.sas = fast_downward.pddl2sas(self.logic.domain, data["pddl_problem"])
-            _, self.sas_replan = fast_downward.pddl2sas(self.logic.domain, data["pddl_problem"], optimize=True)
-        finally:
-            sys.argv = argv
         self.problem = data["pddl_problem"]
         self.actions = {action.name: action for action in self.task.actions}
         self.name2type = {obj.name: obj.type_name for obj in self.task.objects}

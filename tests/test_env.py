@@ -54,6 +54,27 @@ def test_fast_env_text_equals_stock_textworld(all_games):
         fast.close()
 
 
+def test_a_game_read_back_from_the_translation_cache_plays_as_a_fresh_translation(all_games, tmp_path, monkeypatch):
+    """common.translated keeps each game's parse and translation in the cache: a new process reads it back instead of
+    translating again (the translator is not called), and the game plays exactly the same, the expert's plan too."""
+    monkeypatch.setattr(common, "TRANSLATIONS", tmp_path)
+    game_file = next(g for g in all_games if "pick_clean" in g)
+
+    def played() -> list:
+        common._load_game.cache_clear()  # as a new process finds it
+        env = common.AlfredEnv(game_file)
+        turns = [env.reset(), *play(env, ["look", "bogus command", *common.load_walkthrough(game_file)[:2]])]
+        plan = env.expert_plan()
+        env.close()
+        return [(t.observation, t.admissible, t.won, t.state) for t in turns] + [plan]
+
+    fresh = played()
+    assert len(list(tmp_path.glob("*.pickle"))) == 1
+    monkeypatch.setattr(common.fast_downward, "pddl2sas", lambda *a, **k: pytest.fail("translated again"))
+    assert played() == fresh
+    common._load_game.cache_clear()  # the other tests' games from the real cache again
+
+
 def _make_download_layout(root: Path, all_games):
     """A fake `alfworld-download` tree with the cases discovery must skip."""
     for game_file in all_games[:6]:
