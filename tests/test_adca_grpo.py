@@ -384,6 +384,7 @@ def look_trajectories(all_games, protocol):
     return [traj for group in groups for traj in group]
 
 
+@pytest.mark.slow
 def test_label_trajectories_through_the_api(api_key, look_trajectories, tmp_path):
     room_of = [traj.start.observation.strip() for traj in look_trajectories]  # 2 games x 2 branches
     assert room_of[0] == room_of[1] != room_of[3]
@@ -487,6 +488,7 @@ def runtime(games_root, tiny_model_dir, tmp_path):
     return build
 
 
+@pytest.mark.slow
 def test_self_labeler_on_the_tiny_model(runtime, look_trajectories):
     rt = runtime(labeler_backend="self")
     assert isinstance(rt.labeler, adca_grpo.PolicyLabeler)
@@ -499,6 +501,7 @@ def test_self_labeler_on_the_tiny_model(runtime, look_trajectories):
     assert runtime(attribution=False).labeler is None and runtime(alpha=0.0).labeler is None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sign", [1.0, -1.0])
 def test_update_moves_logprob_with_the_advantage_sign(runtime, sign):
     rt = runtime(learning_rate=1e-2)
@@ -577,6 +580,7 @@ def test_kl_loss_term_pulls_toward_the_base_model(offset):
     assert loss_and_grad([-1.0], [-1.0], [0.0], ref=[-1.0], kl_loss_coef=0.5)[1] == [0.0]
 
 
+@pytest.mark.slow
 def test_kl_to_the_base_model(runtime):
     rt = runtime(kl_beta=0.5, attribution=False)
     metrics, _ = adca_grpo.adca_update(rt, 1)
@@ -592,6 +596,7 @@ def test_kl_to_the_base_model(runtime):
     assert metrics["train/kl_k3"] > 1e-4 and metrics["train/kl"] > 1e-3
 
 
+@pytest.mark.slow
 def test_ppo_epochs_and_mini_batches(runtime):
     rt = runtime(attribution=False, ppo_epochs=2, mini_batches=2, learning_rate=1e-2, kl_loss_coef=1.0)
     with torch.no_grad():  # away from the base model, so that the KL term moves the policy even with zero advantages
@@ -612,6 +617,7 @@ def scripted_labeler(requests):
 scripted_labeler.model_name = "scripted"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("metrics_only", [False, True])
 def test_labels_reach_the_trained_advantages_unless_metrics_only(runtime, metrics_only):
     rt = runtime(prm_metrics_only=metrics_only, labeler_backend="self")
@@ -625,6 +631,7 @@ def test_labels_reach_the_trained_advantages_unless_metrics_only(runtime, metric
         assert distinct == (1 if metrics_only or len(sample["step_flags"]) < 2 else len(sample["step_flags"]))
 
 
+@pytest.mark.slow
 def test_skip_small_adv_through_an_update(runtime):
     rt = runtime(skip_type="skip_small_adv", labeler_backend="self")
     asked = []
@@ -636,6 +643,7 @@ def test_skip_small_adv_through_an_update(runtime):
     assert metrics["prm/label_requests"] == len(asked) and metrics["train/tokens"] > 0
 
 
+@pytest.mark.slow
 def test_labeller_down_inside_an_update_then_back(runtime, api_key):
     healthy = {"now": True}
 
@@ -684,6 +692,7 @@ def test_invalid_flags_fail_at_start_naming_the_flag(overrides, flag, monkeypatc
         adca_grpo.main(adca_grpo.Args(model="/nonexistent", **overrides))  # fails before any model loads
 
 
+@pytest.mark.slow
 def test_smoke_self_labeler(games_root, tiny_model_dir, tmp_path):
     run_dir = adca_grpo.main(
         small_args(
@@ -719,6 +728,7 @@ def read_samples(run_dir):
     return [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_smoke_api_labeler_prm_steps_then_resume(games_root, tiny_model_dir, tmp_path, api_key):
     def behave(content, attempt):
         if content == "Reply with OK.":  # the start-up check

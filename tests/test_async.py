@@ -36,6 +36,7 @@ def assert_within_the_bound(rows: list[dict], steps: int) -> None:
     assert rows[0]["rollout/staleness_max"] == 0  # the first batch: the weights it trains
 
 
+@pytest.mark.slow
 def test_grpo_samples_ahead_within_the_bound_on_each_versions_behaviour_logprobs(vllm, tmp_path):
     """GRPO at K = 2 with the decoupled loss: every update trains data at most 2 versions old, its behaviour logprobs
     recomputed under the weights of the version that sampled it (drift against the server ~1e-6: a wrong version would
@@ -70,6 +71,7 @@ def wait_for(condition, run: subprocess.Popen, log: Path, timeout_s: float = 300
         time.sleep(0.2)
 
 
+@pytest.mark.slow
 def test_a_server_restarted_during_async_sampling_the_run_continues_and_loses_nothing(vllm, tmp_path):
     """SIGKILL of the server once update 1 is logged (the batches of updates 2 and 3 sampled or in flight), a restart:
     the sampling thread waits, loads its pinned adapter into the new server and goes on; every update trains once, on
@@ -84,6 +86,7 @@ def test_a_server_restarted_during_async_sampling_the_run_continues_and_loses_no
     assert game_cursor(run_dir) == 3 * SHORT["groups_per_update"]
 
 
+@pytest.mark.slow
 def test_killed_with_rollouts_in_flight_a_resumed_run_samples_them_again_and_trains_nothing_twice(vllm, tmp_path):
     """kill -9 of the trainer right after checkpoint 1 (the sampling thread is on the batches of updates 2 and 3), then
     --resume auto: what was in flight is gone, the resumed run samples those games again from the checkpoint's cursor
@@ -109,6 +112,7 @@ def test_killed_with_rollouts_in_flight_a_resumed_run_samples_them_again_and_tra
     assert game_cursor(run_dir) == 3 * SHORT["groups_per_update"]
 
 
+@pytest.mark.slow
 def test_two_processes_sample_ahead_each_within_the_bound_with_adapters_the_main_process_loaded(vllm, tmp_path):
     """`accelerate launch` with 2 processes at K = 1 (gigpo.py, 3 updates of 2 games x 2, one game per process): each
     process samples its own games ahead, only with versions the main process has loaded (the others wait until the

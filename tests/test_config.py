@@ -131,6 +131,7 @@ def test_an_old_ppo_clip_of_none_is_the_importance_sampling_loss(tmp_path):
     assert (parsed(tempo, ["--config", str(config)]).clip_eps, tempo.Args().clip_eps) == (None, None)
 
 
+@pytest.mark.slow
 def test_a_runs_config_json_reruns_it_exactly(games_root, tiny_model_dir, tmp_path):
     flags = ["--model", str(tiny_model_dir), "--data-root", str(games_root), "--output-dir", str(tmp_path / "a")]
     flags += ["--num-updates", "1", "--groups-per-update", "2", "--group-size", "2", "--max-turns", "2"]

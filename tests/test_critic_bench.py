@@ -78,6 +78,7 @@ def done_count(text: str, walkthrough) -> int:
     return done
 
 
+@pytest.mark.slow
 def test_values_from_snapshot_continuations_equal_a_replayed_engines(runtime):
     rt = runtime
     rt.sample_fn = walkthrough_policy(rt, seed=3)
@@ -107,6 +108,7 @@ def test_value_and_standard_error():
     assert critic.value([False] * 16) == (0.0, 0.0)
 
 
+@pytest.mark.slow
 def test_scores_of_a_perfect_critic_the_constant_and_the_count(runtime):
     """A scripted critic that answers each state's true V gets r = 1 and MAE 0; the constant gets MAE = mean |V - c|
     and no r; the count predictor is a line fitted on the pool."""
@@ -142,6 +144,7 @@ def test_scores_of_a_perfect_critic_the_constant_and_the_count(runtime):
     assert scores["nothing_count"]["mae"] == pytest.approx(statistics.fmean(abs(e - v) for e, v in zip(expected, held)))
 
 
+@pytest.mark.slow
 def test_nothing_count_counts_inadmissible_turns(runtime):
     rt = runtime
     rt.sample_fn = lambda prompts, n: teacher_forced(rt, prompts, [TOOL % "fly to the moon"] * len(prompts))
@@ -161,6 +164,7 @@ def test_pearson_and_ridge_head():
     assert critic.score(predict(x), y)["r"] > 0.95
 
 
+@pytest.mark.slow
 def test_warm_up_trains_the_critic_and_the_value_head(runtime):
     """A critic that answers 0.0 or 1.0 (a coin) on states whose target is 1: the warm-up's updates (tempo.py's
     critic reward and train step) raise the probability of the `1.0` answer, and the head's MSE falls."""
@@ -185,6 +189,7 @@ def test_warm_up_trains_the_critic_and_the_value_head(runtime):
     assert rows[-1]["head/mse"] < rows[0]["head/mse"]
 
 
+@pytest.mark.slow
 def test_sft_critic_states_answer_each_state_with_its_value(runtime, tmp_path):
     rt = runtime
     rt.sample_fn = walkthrough_policy(rt, seed=2)

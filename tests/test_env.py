@@ -263,6 +263,7 @@ def test_group_rebuilds_itself_when_the_engine_fails(all_games):
         assert got[0].won
 
 
+@pytest.mark.slow
 def test_make_games_is_deterministic_and_has_a_cli(tmp_path):
     import subprocess
     import sys
@@ -290,6 +291,7 @@ def test_make_games_is_deterministic_and_has_a_cli(tmp_path):
     assert all((tmp_path / "direct" / p).read_bytes() == (tmp_path / "cli" / p).read_bytes() for p in direct)
 
 
+@pytest.mark.slow
 def test_parallel_make_games_writes_the_sequential_bytes(tmp_path, monkeypatch):
     """Workers plan candidates ahead of the sequential rng stream: an unsolvable candidate, or a walkthrough that
     fails its replay, must lead to the same redraws as with one worker. Neither happens naturally in small sets,

@@ -271,6 +271,7 @@ def small_args(games_root, tiny_model_dir, output_dir, **overrides):
     return gigpo.Args(**{**settings, **overrides})
 
 
+@pytest.mark.slow
 def test_update_raises_the_winning_branch_and_lowers_the_penalised_one(games_root, tiny_model_dir, tmp_path):
     """One group of three branches on a look_at game, the replies scripted with the tiny policy's own logprobs (the
     ratios start at 1): the walkthrough (won), the walkthrough with a wrong last step, and no tool call at all
@@ -337,6 +338,7 @@ def read_rows(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_smoke_observation_anchors_then_resume(games_root, tiny_model_dir, tmp_path):
     args = small_args(
         games_root, tiny_model_dir, tmp_path, anchor="observation", invalid_action_penalty=0.01, eval_every=2

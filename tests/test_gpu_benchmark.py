@@ -9,9 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_the_device_check_runs_at_toy_size(games_root, tmp_path):
     out = tmp_path / "gpu.json"
     command = [sys.executable, "-m", "benchmarks.speed.gpu", "--size", "toy", "--data-root", str(games_root)]

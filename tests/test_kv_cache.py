@@ -66,6 +66,7 @@ def assert_same_rollouts(groups, expected):
             assert traj.logprobs == pytest.approx(ref.logprobs, abs=1e-4)
 
 
+@pytest.mark.slow
 def test_greedy_rollouts_with_reuse_equal_re_prefill_ones(policy, games):
     protocol = common.ChatProtocol(policy[2])
     starts = [common.game_start(game, protocol) for game in games]
@@ -91,6 +92,7 @@ def test_greedy_rollouts_with_reuse_equal_re_prefill_ones(policy, games):
     assert reuse.kept == []  # dropped at the rollout's end
 
 
+@pytest.mark.slow
 def test_sampled_logprobs_equal_a_teacher_forced_pass(policy, games):
     args, accelerator, tokenizer, model = policy
     protocol = common.ChatProtocol(tokenizer)
@@ -109,6 +111,7 @@ def test_sampled_logprobs_equal_a_teacher_forced_pass(policy, games):
         assert [logprobs[i] for i in generated] == pytest.approx([teacher[i] for i in generated], abs=1e-4)
 
 
+@pytest.mark.slow
 def test_a_restored_state_prefills_once_then_reuses(policy, games):
     protocol = common.ChatProtocol(policy[2])
     (first,) = play(policy, make(policy), [common.game_start(games[0], protocol)], 1, horizon=3)
@@ -122,6 +125,7 @@ def test_a_restored_state_prefills_once_then_reuses(policy, games):
     assert after_turn[1]["reused"] >= 4 * prefix
 
 
+@pytest.mark.slow
 def test_stopped_branches_are_dropped_and_the_rest_continue(policy, games):
     protocol = common.ChatProtocol(policy[2])
     (first,) = play(policy, make(policy), [common.game_start(games[1], protocol)], 1, horizon=3)
@@ -135,6 +139,7 @@ def test_stopped_branches_are_dropped_and_the_rest_continue(policy, games):
     assert reuse.kept == []
 
 
+@pytest.mark.slow
 def test_a_branch_past_the_budget_re_prefills(policy, games):
     protocol = common.ChatProtocol(policy[2])
     starts = [common.game_start(games[0], protocol)]
@@ -144,6 +149,7 @@ def test_a_branch_past_the_budget_re_prefills(policy, games):
     assert reuse.stats["not_kept"] > 0 and reuse.stats["reused"] > 0
 
 
+@pytest.mark.slow
 def test_caches_are_dropped_when_the_weights_change(policy, games):
     args, accelerator, tokenizer, model = policy
     protocol = common.ChatProtocol(tokenizer)
@@ -161,6 +167,7 @@ def test_caches_are_dropped_when_the_weights_change(policy, games):
         perturb_adapter(model, seed=0)
 
 
+@pytest.mark.slow
 def test_the_static_cache_stays_within_the_budget(policy, games):
     """A chunk whose StaticCache (rows x (cached + new prompt tokens + reply)) would pass --kv-cache-mb is sampled
     without one, as generate() alone samples it (the same greedy replies); at a budget that holds it, it reuses."""

@@ -13,6 +13,7 @@ import training
 KNOBS = ("--sample-batch-size", "--micro-batch-tokens", "--kv-cache-mb", "--vllm-gpu-memory-utilization")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["sampling", "training"])
 def test_out_of_memory_stops_the_run_with_the_knobs_and_it_resumes(where, tmp_path, monkeypatch, capfd):
     owner, name = (samplers.GenerateSampler, "_generate") if where == "sampling" else (training, "train_step")

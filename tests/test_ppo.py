@@ -81,6 +81,7 @@ def small_args(games_root, tiny_model_dir, tmp_path, **overrides) -> ppo.Args:
     return ppo.Args(**{**settings, **overrides})
 
 
+@pytest.mark.slow
 def test_the_training_step_reads_the_values_the_rollout_read(games_root, tiny_model_dir, tmp_path):
     """With targets = the rollout's V(s_t), the first step's value loss is 0: the training forward reads the head at
     the same positions and gets the same values; with targets V + 1 it is exactly 0.5 (0.5 x 1^2, token-weighted)."""
@@ -135,6 +136,7 @@ def scripted_runtime(games_root, tiny_model_dir, tmp_path, **overrides):
     return rt, sample
 
 
+@pytest.mark.slow
 def test_update_raises_the_won_branch_and_trains_the_value_head(games_root, tiny_model_dir, tmp_path):
     rt, sample = scripted_runtime(games_root, tiny_model_dir, tmp_path, invalid_action_penalty=0.1, lam=0.95)
     lora = {n: p.detach().clone() for n, p in rt.model.named_parameters() if p.requires_grad}
@@ -158,6 +160,7 @@ def test_update_raises_the_won_branch_and_trains_the_value_head(games_root, tiny
     assert error < 0.75 * sum(r**2 for targets in returns for r in targets)  # the squared error at V = 0
 
 
+@pytest.mark.slow
 def test_value_warmup_trains_the_value_on_monte_carlo_returns(games_root, tiny_model_dir, tmp_path):
     """Warm-up updates on the same scripted episodes: the policy's tokens get advantage 0 (the shared trunk still
     moves with the value loss) and the value loss on the Monte-Carlo returns (1 on the won branch, 0 on the others)
@@ -179,6 +182,7 @@ def test_value_warmup_trains_the_value_on_monte_carlo_returns(games_root, tiny_m
 # =============================================================================================
 # Checkpoints: --lora-rank 0, a corrupt or foreign head
 # =============================================================================================
+@pytest.mark.slow
 def test_full_weights_and_a_corrupt_or_foreign_head(games_root, tiny_model_dir, tmp_path):
     """--lora-rank 0: every weight trained and saved beside the head; a head file that does not match its checksum,
     or holds another algorithm's heads, is refused."""

@@ -67,6 +67,7 @@ def test_critic_examples_use_tempos_prompt_and_answer_the_monte_carlo_return(all
         assert tempo.parse_value(reply) == float(traj.won) and all(example.mask[len(prompt) :])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lora_rank", [0, 4])
 def test_training_lowers_the_loss_and_saves_a_plain_model(games_root, tiny_model_dir, tmp_path, lora_rank):
     from transformers import AutoModelForCausalLM

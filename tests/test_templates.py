@@ -190,6 +190,7 @@ def template_pieces(tokenizer, messages, enable_thinking) -> list[str]:
     return re.split(r"\[reply \d+\]", text)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("enable_thinking", [True, False])
 def test_script_with_the_qwen3_template_builds_token_exact_prompts(
     games_root, tiny_model_dir, tokenizer, tmp_path, monkeypatch, enable_thinking
@@ -230,6 +231,7 @@ def test_script_with_the_qwen3_template_builds_token_exact_prompts(
         assert (QWEN3_EMPTY_THINK in shown) is (not enable_thinking)
 
 
+@pytest.mark.slow
 def test_sft_trains_on_what_the_model_is_shown_and_saves_the_template(games_root, tiny_model_dir, tmp_path):
     from transformers import AutoTokenizer
 

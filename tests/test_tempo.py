@@ -363,6 +363,7 @@ def runtime(games_root, tiny_model_dir, tmp_path):
     return build
 
 
+@pytest.mark.slow
 def test_actor_loss_mask_covers_only_the_segments_generated_tokens(runtime):
     rt = runtime()
 
@@ -389,6 +390,7 @@ def test_actor_loss_mask_covers_only_the_segments_generated_tokens(runtime):
     assert datum.old_logprobs[traj.steps[0].prompt_length] == traj.steps[0].logprobs[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 0.9)])
 def test_sampling_logprobs_equal_a_teacher_forced_pass_per_token(runtime, temperature, top_p):
     rt = runtime(temperature=temperature, top_p=top_p, sample_batch_size=2)
@@ -403,6 +405,7 @@ def test_sampling_logprobs_equal_a_teacher_forced_pass_per_token(runtime, temper
         assert reply.logprobs == pytest.approx(logprobs[len(prompt) :], abs=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sign", [1.0, -1.0])
 def test_update_moves_logprob_with_the_advantage_sign(runtime, sign):
     rt = runtime(learning_rate=1e-2)
@@ -431,6 +434,7 @@ def test_update_moves_logprob_with_the_advantage_sign(runtime, sign):
     assert (after - before) * sign > 1e-4
 
 
+@pytest.mark.slow
 def test_clip_eps_stops_the_gradient_outside_the_band(runtime):
     rt = runtime(learning_rate=1e-2, clip_eps=0.2)
     prompt = rt.next_game_start().prefix_tokens
@@ -444,6 +448,7 @@ def test_clip_eps_stops_the_gradient_outside_the_band(runtime):
     assert metrics["train/clip_frac"] == 0.0 and metrics["train/grad_norm"] > 0  # pessimistic side: not clipped
 
 
+@pytest.mark.slow
 def test_fresh_state_share_starts_some_td_updates_at_the_beginning(runtime):
     # every endpoint stored (uniform), so the second update has states to draw from
     rt = runtime(critic_samples=2, endpoint_samples=1, fresh_state_share=0.5, state_selection="uniform")
@@ -454,6 +459,7 @@ def test_fresh_state_share_starts_some_td_updates_at_the_beginning(runtime):
     assert second["td/fresh_states"] == 1 and second["td/macro_index_mean"] == 0.5  # 1 of 2 stored, 1 fresh
 
 
+@pytest.mark.slow
 def test_ppo_epochs_let_the_clip_act_from_the_second_optimizer_step(runtime):
     rt = runtime(learning_rate=1e-2, clip_eps=1e-3, ppo_epochs=2)
     prompt = rt.next_game_start().prefix_tokens
@@ -592,6 +598,7 @@ def check_td_wiring(rt, seen, groups, datums, weight=1.0) -> dict:
     return expected
 
 
+@pytest.mark.slow
 def test_td_updates_train_actor_and_critic_from_stored_states(runtime):
     # uncertain: the store holds exactly the endpoints (outcome would add the start states whose group had a gradient)
     rt = runtime(
@@ -630,6 +637,7 @@ def test_td_updates_train_actor_and_critic_from_stored_states(runtime):
         assert tempo.PRIVILEGED_HEADER not in text and not any(ref in text for ref in references)
 
 
+@pytest.mark.slow
 def test_td_update_drops_a_state_that_fails_to_restore(runtime):
     rt = runtime()
     rt.sample_fn, _ = scored_script(rt, patterns=PARSED_PATTERNS)  # every endpoint valued inside the band: stored
@@ -642,6 +650,7 @@ def test_td_update_drops_a_state_that_fails_to_restore(runtime):
     assert metrics["td/new_endpoints"] == 2  # the other start state's branches still ran and were stored
 
 
+@pytest.mark.slow
 def test_warmup_values_every_boundary_state_against_its_trajectorys_outcome(runtime, monkeypatch, all_games):
     """Boundary states at turns 0, H, ... before each trajectory's end, target = that trajectory's 0/1 outcome,
     K samples each with centred rewards; value_corr correlates each state's mean estimate with the outcome."""
@@ -684,6 +693,7 @@ def test_warmup_values_every_boundary_state_against_its_trajectorys_outcome(runt
     assert samples and samples[0]["critic_reply"]
 
 
+@pytest.mark.slow
 def test_td_update_wiring_numbers(runtime, monkeypatch):
     """Each actor datum's advantage is R_n - G of its group; an endpoint's value is the mean of its parsed
     samples (0 when all fail); critic datums carry their rewards centred within the state's K; the metrics are these
@@ -722,6 +732,7 @@ def test_td_update_wiring_numbers(runtime, monkeypatch):
     assert metrics["td/store_value_mean"] == pytest.approx(statistics.fmean(v for _, v in rt.store.entries))
 
 
+@pytest.mark.slow
 def test_outcome_store_keeps_only_the_lineages_whose_branches_disagreed(runtime, monkeypatch):
     """--state-selection outcome: a start state whose group had a gradient goes back into the store (valued its
     target G) with its endpoints; a degenerate group's start state and endpoints are dropped, whatever the critic
@@ -757,6 +768,7 @@ def test_outcome_store_keeps_only_the_lineages_whose_branches_disagreed(runtime,
     assert metrics["td/endpoints_left_out"] == len(endpoints(degenerate))
 
 
+@pytest.mark.slow
 def test_source_store_keeps_the_drawn_state_and_stores_every_endpoint_with_room(runtime, monkeypatch):
     """A TD update under --state-selection source: the drawn start state stays in the store, and every branch that
     stopped at the macro boundary with room for another turn is stored, whatever its group's gradient or value."""
@@ -778,6 +790,7 @@ def test_source_store_keeps_the_drawn_state_and_stores_every_endpoint_with_room(
     assert [key(s) for s, _ in rt.store.entries] == [key(drawn)] + [key(t.saved_state()) for t in endpoints]
 
 
+@pytest.mark.slow
 def test_rollout_endpoint_values_are_the_mean_return_of_continuations_and_never_trained(runtime, monkeypatch):
     """--endpoint-values rollout (the critic's ablation): each endpoint's value is the mean return of E continuations
     of its episode to T by the current policy; the critic is sampled on start states only, the continuations' tokens
@@ -810,6 +823,7 @@ def test_rollout_endpoint_values_are_the_mean_return_of_continuations_and_never_
     assert metrics["td/oracle_value_sd"] == pytest.approx(statistics.stdev(values))
 
 
+@pytest.mark.slow
 def test_no_td_critic_values_endpoints_and_trains_only_the_actor(runtime, monkeypatch):
     """--no-td-critic: the TD update values the endpoints as before and trains the same actor datums, but samples
     the critic on no start state and trains no critic datum."""
@@ -838,6 +852,7 @@ def test_no_td_critic_values_endpoints_and_trains_only_the_actor(runtime, monkey
     assert "critic/degenerate_group_rate" in trained and "critic/degenerate_group_rate" not in frozen
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "log_ratio, weight", [(math.log(1.5), 1.5), (-math.log(1.5), 1 / 1.5), (3.0, 2.0), (-3.0, 0.5)]
 )
@@ -861,6 +876,7 @@ def test_prefix_is_weight_is_clipped_both_ways_and_scales_the_actor_advantages(r
     assert expected["actor_datums"] == 3
 
 
+@pytest.mark.slow
 def test_a_branch_truncated_by_the_token_budget_at_the_boundary_is_valued_and_not_stored(runtime, monkeypatch):
     rt = runtime(groups_per_update=1, group_size=2, endpoint_samples=2)
     rt.sample_fn, seen = scored_script(rt, pick=lambda text, admissible, rng: admissible[0])  # deterministic
@@ -882,6 +898,7 @@ def test_a_branch_truncated_by_the_token_budget_at_the_boundary_is_valued_and_no
     assert metrics["actor/macro_boundary_rate"] == 1 and metrics["td/new_endpoints"] == 0 and len(rt.store) == 0
 
 
+@pytest.mark.slow
 def test_critic_prompts_over_budget_are_skipped_counted_and_never_sent(runtime):
     rt = runtime(max_critic_tokens=4000)  # 96 tokens left for a critic prompt: none fits
     rt.sample_fn, seen = scored_script(rt)
@@ -906,6 +923,7 @@ def smoke_run(games_root, tiny_model_dir, tmp_path_factory):
     return args, run_dir
 
 
+@pytest.mark.slow
 def test_smoke_run_second_td_update_consumes_stored_states(smoke_run):
     args, run_dir = smoke_run
     start, *rows = read_metrics(run_dir)
@@ -934,6 +952,7 @@ def test_smoke_run_second_td_update_consumes_stored_states(smoke_run):
     assert (run_dir / "samples.jsonl").read_text().strip()
 
 
+@pytest.mark.slow
 def test_resume_continues_the_run(smoke_run, tmp_path):
     args, run_dir = smoke_run
     args = tempo.Args(**{**vars(args), "td_updates": 3, "resume": "auto", "eval_every": 0})
@@ -957,6 +976,7 @@ def test_resume_continues_the_run(smoke_run, tmp_path):
         tempo.main(tempo.Args(**{**vars(args), "resume": str(other)}))
 
 
+@pytest.mark.slow
 def test_evaluation_samples_with_common_random_numbers_and_leaves_the_training_stream(runtime, monkeypatch):
     """eval/train/success_rate: the same sampled episodes at every evaluation of the same weights (the sampler seeded
     with harness.EVAL_SEED), and the run's own random stream as it was."""

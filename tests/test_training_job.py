@@ -247,6 +247,7 @@ def test_a_count_metric_says_so_and_an_int_metric_is_refused():
             training.reduce_metrics(accelerator, {"x/requests": value})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_killed_job_resumes_exactly(killed_job, name):
     straight, resumed, killed_stderr = killed_job(name)
@@ -299,6 +300,7 @@ def test_killed_job_resumes_exactly(killed_job, name):
         assert all(r["gigpo/step_groups"] > 0 for r in rows)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", SCRIPTS)
 @pytest.mark.parametrize("lora_rank", [4, 0])
 def test_checkpoint_round_trip_continues_exactly(name, lora_rank, games_root, tiny_model_dir, tmp_path, judge):
@@ -364,6 +366,7 @@ def test_checkpoint_round_trip_continues_exactly(name, lora_rank, games_root, ti
 # =============================================================================================
 # --eval-only
 # =============================================================================================
+@pytest.mark.slow
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_eval_only_on_a_checkpoint_same_metrics_in_every_script(
     name, killed_job, games_root, tiny_model_dir, tmp_path, judge
@@ -390,6 +393,7 @@ def test_eval_only_on_a_checkpoint_same_metrics_in_every_script(
 # =============================================================================================
 # Bad input fails at start, with a message that names the flag
 # =============================================================================================
+@pytest.mark.slow
 @pytest.mark.parametrize("name", SCRIPTS)
 @pytest.mark.parametrize(
     "overrides, message",
@@ -442,6 +446,7 @@ def corrupt_nan_adapter(checkpoint: Path):
     path.write_bytes(data[:start] + nan * ((len(data) - start) // 4))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", SCRIPTS)
 @pytest.mark.parametrize(
     "corrupt, overrides, message",
@@ -472,6 +477,7 @@ def test_bad_checkpoint_fails_at_start(
             module.main(module.Args(**{**values, "resume": "", "eval_only": str(checkpoints(copy)[-1])}))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_checkpoint_of_the_other_algorithm_fails_at_start(
     name, killed_job, games_root, tiny_model_dir, tmp_path, judge
@@ -495,6 +501,7 @@ def test_checkpoint_of_the_other_algorithm_fails_at_start(
 # =============================================================================================
 # --resume auto is per seed; flags that change what the run is must match it
 # =============================================================================================
+@pytest.mark.slow
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_resume_auto_is_per_seed_and_refuses_flags_that_change_the_run(
     name, killed_job, games_root, tiny_model_dir, tmp_path, judge, capsys
@@ -548,6 +555,7 @@ def test_resume_auto_is_per_seed_and_refuses_flags_that_change_the_run(
 # =============================================================================================
 # --eval-only evaluates the run as it was trained
 # =============================================================================================
+@pytest.mark.slow
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_eval_only_evaluates_the_run_as_trained(name, killed_job, tmp_path, judge):
     """Only --eval-only and --output-dir given on the command line: model, data, budgets and eval games come from the
@@ -574,6 +582,7 @@ def test_eval_only_evaluates_the_run_as_trained(name, killed_job, tmp_path, judg
 # =============================================================================================
 # Bad games fail at start, named; start-up errors are one line and exit 2; threads; launched process count
 # =============================================================================================
+@pytest.mark.slow
 @pytest.mark.parametrize("name", SCRIPTS)
 @pytest.mark.parametrize("split", ["train", "valid_unseen"])
 def test_bad_game_fails_at_start_naming_it(name, split, games_root, tiny_model_dir, tmp_path, judge):
@@ -590,6 +599,7 @@ def test_bad_game_fails_at_start_naming_it(name, split, games_root, tiny_model_d
     assert not list(tmp_path.glob("runs/*"))
 
 
+@pytest.mark.slow
 def test_config_records_the_data_root_used(games_root, tiny_model_dir, tmp_path, monkeypatch, judge):
     """Without --data-root the run uses the offline game set; config.json (written from these args) says where."""
     generated = tmp_path / "cache" / f"offline-games-n{offline.DEFAULT_GAMES}-seed{offline.DEFAULT_GAMES_SEED}"
@@ -601,6 +611,7 @@ def test_config_records_the_data_root_used(games_root, tiny_model_dir, tmp_path,
     assert args.data_root == str(generated)
 
 
+@pytest.mark.slow
 def test_game_that_fails_to_load_mid_run_is_skipped_not_fatal(games_root, tiny_model_dir, tmp_path, judge, capfd):
     """A broken grammar passes the start-up parse (grammars are parsed when a game first loads): the run skips that
     game with a warning naming it, counts it, and finishes."""
@@ -618,6 +629,7 @@ def test_game_that_fails_to_load_mid_run_is_skipped_not_fatal(games_root, tiny_m
     assert f"skipped a game that does not load: {bad}" in capfd.readouterr().err
 
 
+@pytest.mark.slow
 def test_eval_game_that_fails_to_load_mid_run_is_skipped_not_fatal(games_root, tiny_model_dir, tmp_path, capfd):
     """The same for an evaluation game: the evaluation goes on without it, says so and counts it."""
     data_root = tmp_path / "games"
@@ -633,6 +645,7 @@ def test_eval_game_that_fails_to_load_mid_run_is_skipped_not_fatal(games_root, t
     assert f"[eval] WARNING: skipped a game that does not load: {bad}" in capfd.readouterr().err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "script, flags, message",
     [
@@ -657,6 +670,7 @@ def test_startup_error_prints_one_line_and_exits_2(script, flags, message, games
     assert result.stderr.splitlines()[-1].startswith(message)
 
 
+@pytest.mark.slow
 def test_launch_that_runs_fewer_processes_than_asked_warns(tmp_path):
     """On CPU, `accelerate launch --num_processes 2` without --multi_gpu runs one process: said at start."""
     accelerate = str(Path(sys.executable).parent / "accelerate")
@@ -693,6 +707,7 @@ def test_threads_flag_default_and_oversubscription_warning(monkeypatch, capsys):
 # =============================================================================================
 # Non-finite steps are skipped and counted
 # =============================================================================================
+@pytest.mark.slow
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_nonfinite_loss_skips_the_step(name, games_root, tiny_model_dir, tmp_path, judge, capsys):
     module = SCRIPTS[name]
@@ -781,6 +796,7 @@ def launch(
     return result, leftovers
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_two_process_job(name, games_root, tiny_model_dir, tmp_path, monkeypatch, lora_rank=4):
     n = total_updates(name)
@@ -871,6 +887,7 @@ def test_a_count_of_the_run_that_does_not_divide_among_the_processes_is_refused_
         plan.process_shares(tempo.Args(**counts), 8)
 
 
+@pytest.mark.slow
 def test_two_process_job_full_weights(games_root, tiny_model_dir, tmp_path, monkeypatch):
     """--lora-rank 0: every weight trained, identical on both ranks, and the 2-process resume (TEMPO)."""
     test_two_process_job("tempo", games_root, tiny_model_dir, tmp_path, monkeypatch, lora_rank=0)
@@ -879,6 +896,7 @@ def test_two_process_job_full_weights(games_root, tiny_model_dir, tmp_path, monk
 # =============================================================================================
 # --fsdp: the policy sharded over 2 CPU processes (FSDP2 on gloo)
 # =============================================================================================
+@pytest.mark.slow
 @pytest.mark.parametrize("lora_rank", [0, 4])
 def test_fsdp_first_update_equals_one_unsharded_process(lora_rank, tmp_path):
     """The same global batch, one train_step: 1 process unsharded and 2 processes --fsdp (each training its half)
@@ -960,6 +978,7 @@ FSDP_EVAL_ONLY = "gigpo"  # its resumed run (full weights) is also evaluated wit
 FSDP_BF16 = "ppo"  # its full-weights job computes in bfloat16: float32 shards and float32 gathered weights
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name, lora_rank, kill",
     [

@@ -77,6 +77,7 @@ def assert_same_policy(gaps: list[float]) -> None:
     assert 1e-9 < sum(gaps) / len(gaps) < 1e-5 and max(gaps) < 1e-4, (sum(gaps) / len(gaps), max(gaps))
 
 
+@pytest.mark.slow
 def test_served_tokens_and_logprobs_match_a_teacher_forced_pass_and_the_adapter_hot_swaps(vllm, trainer):
     args, accelerator, tokenizer, model = trainer
     perturb_adapter(model, 0)
@@ -102,6 +103,7 @@ def test_served_tokens_and_logprobs_match_a_teacher_forced_pass_and_the_adapter_
     assert_same_policy(logprob_gaps(model, accelerator, tokenizer, prompts, completions))
 
 
+@pytest.mark.slow
 def test_max_tokens_is_capped_at_the_servers_context(vllm, trainer):
     args, accelerator, tokenizer, model = trainer
     sampler = samplers.make_sampler(model, tokenizer, accelerator, server_args(args, vllm.url))
@@ -112,6 +114,7 @@ def test_max_tokens_is_capped_at_the_servers_context(vllm, trainer):
     assert max(logprob_gaps(model, accelerator, tokenizer, [prompt], [completion])) < 1e-4  # (3 tokens: may be 0)
 
 
+@pytest.mark.slow
 def test_a_refused_request_fails_at_once_with_the_servers_message(vllm, trainer):
     args, accelerator, tokenizer, model = trainer
     sampler = samplers.make_sampler(model, tokenizer, accelerator, server_args(args, vllm.url))
@@ -121,6 +124,7 @@ def test_a_refused_request_fails_at_once_with_the_servers_message(vllm, trainer)
     assert time.monotonic() - start < 5  # not retried (a retry waits 0.5 s, then doubles)
 
 
+@pytest.mark.slow
 def test_an_adapter_gone_mid_burst_is_loaded_again(vllm, trainer):
     """A server restarted during a burst answers 404 for the adapter: loaded again, once, and the burst goes on."""
     args, accelerator, tokenizer, model = trainer
@@ -135,6 +139,7 @@ def test_an_adapter_gone_mid_burst_is_loaded_again(vllm, trainer):
     assert_same_policy(logprob_gaps(model, accelerator, tokenizer, prompts, completions))
 
 
+@pytest.mark.slow
 def test_both_samplers_stop_on_every_eos_of_the_generation_config(vllm, trainer):
     """A model whose generation_config lists a second end token (Qwen's instruct models list <|im_end|> and
     <|endoftext|>): generate() and the server (sent them as stop_token_ids) end a reply at the first, token for
@@ -174,6 +179,7 @@ def test_both_samplers_stop_on_every_eos_of_the_generation_config(vllm, trainer)
         assert mine.tokens == (before.tokens[: ends[0] + 1] if ends else before.tokens)
 
 
+@pytest.mark.slow
 def test_old_logprobs_are_recomputed_on_the_trainer_and_the_drift_reported(vllm, trainer):
     args, accelerator, tokenizer, model = trainer
     served_args = server_args(args, vllm.url)
@@ -195,6 +201,7 @@ def test_old_logprobs_are_recomputed_on_the_trainer_and_the_drift_reported(vllm,
     assert training.refresh_old_logprobs(SimpleNamespace(**{**vars(rt), "args": off}), [datum]) == {}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("temperature, warned", [(1.0, False), (0.7, True)])
 def test_server_logprobs_at_another_temperature_warn_at_start(vllm, trainer, capsys, temperature, warned):
     args, accelerator, tokenizer, model = trainer
@@ -203,6 +210,7 @@ def test_server_logprobs_at_another_temperature_warn_at_start(vllm, trainer, cap
     assert ("--logprobs-mode processed_logprobs" in capsys.readouterr().err) == warned
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "overrides, ours, theirs",
     [
@@ -229,6 +237,7 @@ def test_start_up_checks_against_the_real_server(vllm, trainer, overrides, ours,
     assert theirs in str(error.value)
 
 
+@pytest.mark.slow
 def test_no_server_at_start_fails_at_once(trainer):
     args, accelerator, tokenizer, model = trainer
     start = time.monotonic()
@@ -237,6 +246,7 @@ def test_no_server_at_start_fails_at_once(trainer):
     assert time.monotonic() - start < 5  # mid-run the control routes are retried; at start nothing is worth waiting for
 
 
+@pytest.mark.slow
 def test_a_server_without_lora_is_refused_at_start(vllm_without_lora, trainer):
     args, accelerator, tokenizer, model = trainer
     try:
@@ -267,6 +277,7 @@ def short_learning_run(module, **overrides):
     return dataclasses.replace(module.PRESETS["learning"][1], **short(module), **overrides)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_every_algorithm_script_trains_through_the_server(script, vllm, tmp_path):
     """The `learning` preset with --model given as the tiny agent's path: the run is --model tiny-agent's (its own
@@ -282,6 +293,7 @@ def test_every_algorithm_script_trains_through_the_server(script, vllm, tmp_path
     assert_trained_on_the_served_policy(rows)
 
 
+@pytest.mark.slow
 def test_a_server_killed_and_restarted_mid_run_the_run_continues(vllm, tmp_path):
     """SIGKILL of the server (and its EngineCore / Worker children) once update 1 is logged, then a restart on the same
     port: the run waits (control routes and completions retried within --sampler-deadline-s), loads its adapter into

@@ -44,6 +44,7 @@ def assert_same_policy(gaps: list[float]) -> None:
     assert sum(gaps) / len(gaps) < 1e-5 and max(gaps) < 1e-3, (sum(gaps) / len(gaps), max(gaps))
 
 
+@pytest.mark.slow
 def test_tokens_and_logprobs_match_the_trainer_and_a_new_adapter_is_sampled_under_a_new_name(tmp_path):
     args = colocated(lora_rank=4, lora_alpha=8, output_dir=str(tmp_path))
     accelerator, tokenizer, model = load(args)
@@ -69,6 +70,7 @@ def test_tokens_and_logprobs_match_the_trainer_and_a_new_adapter_is_sampled_unde
     samplers.close_colocated_engine()
 
 
+@pytest.mark.slow
 def test_full_weights_are_reloaded_into_the_engine_after_they_change(tmp_path):
     args = colocated(lora_rank=0, output_dir=str(tmp_path))
     accelerator, tokenizer, model = load(args)
@@ -85,6 +87,7 @@ def test_full_weights_are_reloaded_into_the_engine_after_they_change(tmp_path):
     samplers.close_colocated_engine()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", algorithm_scripts.NAMES)
 def test_every_algorithm_script_trains_through_the_colocated_engine(script, tmp_path):
     module = algorithm_scripts.MODULES[script]
@@ -98,6 +101,7 @@ def test_every_algorithm_script_trains_through_the_colocated_engine(script, tmp_
     assert [row["time/engine_sleeps"] for row in rows] == [float(row["train/tokens"] > 0) for row in rows]
 
 
+@pytest.mark.slow
 def test_a_killed_run_resumes_exactly(tmp_path):
     """SIGKILL once checkpoint 1 is saved and update 2 has played a turn, then --resume auto: the same metrics (up to
     timings) and the same final adapter as a run that went straight through."""
@@ -138,6 +142,7 @@ def test_a_killed_run_resumes_exactly(tmp_path):
     assert states[0]["adapter_sha256"] == states[1]["adapter_sha256"]
 
 
+@pytest.mark.slow
 def test_two_processes_each_sample_their_own_full_weights_through_their_own_engine(tmp_path):
     """Two processes, --lora-rank 0, the tiny agent saved in several shards (a hub model's layout): each process builds
     its engine with vLLM's external launcher (one engine a device), and after each update its engine samples the
@@ -173,6 +178,7 @@ def learning_run(script: str, tmp_path, **overrides):
     return module, dataclasses.replace(module.PRESETS["learning"][1], **settings)
 
 
+@pytest.mark.slow
 def test_an_engine_on_stale_weights_stops_the_run(tmp_path, monkeypatch):
     """The failure users of every peer report most: the sampler never gets the new weights. An engine made to keep the
     first weights it synced samples them in update 2, and the drift check stops the run there with the process, the
@@ -190,6 +196,7 @@ def test_an_engine_on_stale_weights_stops_the_run(tmp_path, monkeypatch):
     assert "(vllm-colocate)" in str(stop.value) and "update_000001" in str(stop.value)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["build", "wake-up"])
 def test_the_engine_out_of_memory_stops_the_run_as_out_of_memory(where, tmp_path, monkeypatch):
     """vLLM's memory failures are a ValueError at the build (its free-memory check: v1/worker/utils.py) and a
