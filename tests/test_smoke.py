@@ -1,7 +1,7 @@
 """Every algorithm script's `smoke` preset through its real command line (cli), with the default sampler
-(generate() with KV reuse): with what load_model does on a GPU (bfloat16 compute, gradient checkpointing; --dtype
-bfloat16 --gradient-checkpointing on), so that a dtype or checkpointing mistake shows on CPU; and as is, in the venv at
-the declared lower bounds (tests/test_floors.py; the main venv's other tests run the default precision throughout)."""
+(generate() with KV reuse): as is (the fast tier's run of each script; also in the venv at the declared lower bounds,
+tests/test_floors.py), and with what load_model does on a GPU (bfloat16 compute, gradient checkpointing; --dtype
+bfloat16 --gradient-checkpointing on), so that a dtype or checkpointing mistake shows on CPU."""
 
 import json
 import math
@@ -20,8 +20,8 @@ AT_FLOORS = bool(os.environ.get(AT_THE_FLOORS))
 @pytest.mark.parametrize(
     "precision",
     [
-        pytest.param("default", marks=pytest.mark.skipif(not AT_FLOORS, reason="run at the floors")),
-        pytest.param("cuda_branch", marks=pytest.mark.skipif(AT_FLOORS, reason="run in the main venv")),
+        "default",  # the fast tier's one update of each script (bfloat16 on a CPU is several times slower)
+        pytest.param("cuda_branch", marks=[pytest.mark.slow, pytest.mark.skipif(AT_FLOORS, reason="main venv only")]),
     ],
 )
 @pytest.mark.parametrize("name", NAMES)
