@@ -486,18 +486,19 @@ def startup_checks(args, algorithm: str, accelerator, validate_args, resume_may_
                 f"{args.output_dir}; starting a new run",
                 file=sys.stderr,
             )
-        with accelerator.main_process_first():  # the offline games and the tiny agent are built once, not per process
-            template = str(Path(args.chat_template).resolve()) if args.chat_template else ""
-            args = dataclasses.replace(
-                args, data_root=common.resolve_data_root(args.data_root, args.model), chat_template=template
-            )
-            samplers.chat_protocol(args)  # the chat template (the tokenizer only: no weights load)
+        # before the games are made (a fresh clone makes 240 first): an engine that cannot build stops at once
         sampler, reason = samplers.sampler_choice(args, accelerator.device)
         if args.sampler == "auto" and accelerator.is_main_process:
             print(f"[start] --sampler auto: {sampler} ({reason})", file=sys.stderr)
         elif sampler == "vllm-colocate" and (problem := samplers.colocated_engine_problem(args, accelerator.device)):
             raise ValueError(f"--sampler vllm-colocate: {problem}")
         args = dataclasses.replace(args, sampler=sampler)
+        with accelerator.main_process_first():  # the offline games and the tiny agent are built once, not per process
+            template = str(Path(args.chat_template).resolve()) if args.chat_template else ""
+            args = dataclasses.replace(
+                args, data_root=common.resolve_data_root(args.data_root, args.model), chat_template=template
+            )
+            samplers.chat_protocol(args)  # the chat template (the tokenizer only: no weights load)
         state = None
         if checkpoint is not None:
             state = check_checkpoint(

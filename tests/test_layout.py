@@ -8,6 +8,8 @@ import ast
 import dataclasses
 import difflib
 import re
+import runpy
+import sys
 from pathlib import Path
 
 import pytest
@@ -258,3 +260,24 @@ def test_main_holds_the_update_loop(name):
     assert len(loops) == 1
     body = ast.unparse(loops[0])
     assert all(call in body for call in ("run.gather(", "harness.evaluate(", "run.log(", "run.checkpoint("))
+
+
+BENCHMARKS = sorted(
+    ".".join(p.relative_to(ROOT).with_suffix("").parts)
+    for p in (ROOT / "benchmarks").rglob("*.py")
+    if '__name__ == "__main__"' in p.read_text() and p.stem != "confirmatory"  # it takes no flags: test_confirmatory
+)
+
+
+def test_the_benchmarks_with_a_command_line_are_found():
+    assert {"benchmarks.speed.gpu", "benchmarks.speed.fsdp_memory", "benchmarks.learning.compare"} <= set(BENCHMARKS)
+
+
+@pytest.mark.parametrize("module", BENCHMARKS)
+def test_every_benchmark_imports_and_its_command_line_answers_help(module, monkeypatch, capsys):
+    """The fast tier imports every file of the project: a benchmark whose own run is slow (or needs a GPU) still
+    imports, and its flags parse, here."""
+    monkeypatch.setattr(sys, "argv", [module, "--help"])
+    with pytest.raises(SystemExit) as stop:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)  # tyro reads __main__'s hints
+    assert stop.value.code == 0 and "usage:" in capsys.readouterr().out

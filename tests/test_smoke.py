@@ -1,7 +1,8 @@
 """Every algorithm script's `smoke` preset through its real command line (cli), with the default sampler
-(generate() with KV reuse): as is (the fast tier's run of each script; also in the venv at the declared lower bounds,
-tests/test_floors.py), and with what load_model does on a GPU (bfloat16 compute, gradient checkpointing; --dtype
-bfloat16 --gradient-checkpointing on), so that a dtype or checkpointing mistake shows on CPU."""
+(generate() with KV reuse), on the tests' 12 games (a fresh clone's first run would otherwise make the 240 of the
+default data root first, ~3.5 min): as is (the fast tier's run of each script; also in the venv at the declared
+lower bounds, tests/test_floors.py), and with what load_model does on a GPU (bfloat16 compute, gradient
+checkpointing; --dtype bfloat16 --gradient-checkpointing on), so that a dtype or checkpointing mistake shows on CPU."""
 
 import json
 import math
@@ -25,10 +26,10 @@ AT_FLOORS = bool(os.environ.get(AT_THE_FLOORS))
     ],
 )
 @pytest.mark.parametrize("name", NAMES)
-def test_smoke_preset_trains(name, precision, tmp_path, capfd):
+def test_smoke_preset_trains(name, precision, games_root, tmp_path, capfd):
     module = MODULES[name]
     flags = CUDA_BRANCH if precision == "cuda_branch" else []
-    harness.cli(module.Args, module.main, module.PRESETS, ["smoke", "--output-dir", str(tmp_path), *flags])
+    harness.cli(module.Args, module.main, module.PRESETS, ["smoke", "--data-root", str(games_root), "--output-dir", str(tmp_path), *flags])
     (run,) = tmp_path.iterdir()
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     updates = [row for row in rows if row.get("update", 0) >= 1 and "rollout/generated_tokens" in row]
