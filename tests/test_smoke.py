@@ -29,7 +29,8 @@ AT_FLOORS = bool(os.environ.get(AT_THE_FLOORS))
 def test_smoke_preset_trains(name, precision, games_root, tmp_path, capfd):
     module = MODULES[name]
     flags = CUDA_BRANCH if precision == "cuda_branch" else []
-    harness.cli(module.Args, module.main, module.PRESETS, ["smoke", "--data-root", str(games_root), "--output-dir", str(tmp_path), *flags])
+    argv = ["smoke", "--data-root", str(games_root), "--output-dir", str(tmp_path), *flags]
+    harness.cli(module.Args, module.main, module.PRESETS, argv)
     (run,) = tmp_path.iterdir()
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     updates = [row for row in rows if row.get("update", 0) >= 1 and "rollout/generated_tokens" in row]
