@@ -796,10 +796,17 @@ def launch(
     return result, leftovers
 
 
+# TEMPO's 2-process job trains every weight (--lora-rank 0), the others' a LoRA adapter; TEMPO's LoRA on 2 processes is
+# its --fsdp job's (test_fsdp_two_process_job)
+DDP_FULL_WEIGHTS = ("tempo",)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", SCRIPTS)
-def test_two_process_job(name, games_root, tiny_model_dir, tmp_path, monkeypatch, lora_rank=4):
-    n = total_updates(name)
+def test_two_process_job(name, games_root, tiny_model_dir, tmp_path, monkeypatch):
+    """2 processes (DDP): one line per update, every checkpoint once with every rank's state and the same weights on
+    both ranks, W&B offline with the sample tables; TEMPO's: every weight trained, and the 2-process resume."""
+    n, lora_rank = total_updates(name), 0 if name in DDP_FULL_WEIGHTS else 4
     monkeypatch.setenv(JUDGE_KEY_ENV, "not-a-secret")  # inherited by the job
     with judge_endpoint(delay_s=0.1) if name == "adca_grpo" else contextlib.nullcontext() as judge:
         values = settings(
@@ -887,12 +894,6 @@ def test_a_count_of_the_run_that_does_not_divide_among_the_processes_is_refused_
         plan.process_shares(tempo.Args(**counts), 8)
 
 
-@pytest.mark.slow
-def test_two_process_job_full_weights(games_root, tiny_model_dir, tmp_path, monkeypatch):
-    """--lora-rank 0: every weight trained, identical on both ranks, and the 2-process resume (TEMPO)."""
-    test_two_process_job("tempo", games_root, tiny_model_dir, tmp_path, monkeypatch, lora_rank=0)
-
-
 # =============================================================================================
 # --fsdp: the policy sharded over 2 CPU processes (FSDP2 on gloo)
 # =============================================================================================
@@ -922,33 +923,6 @@ def test_fsdp_first_update_equals_one_unsharded_process(lora_rank, tmp_path):
     assert lora_rank or moved  # full weights: the step moved them (LoRA: B starts at 0, A moves)
 
 
-def launch_killed(name, values: dict, tmp_path: Path, after: int) -> str:
-    """A 2-process job SIGKILLed (the launcher and both workers, found by a marker in their environment: torchrun
-    starts each worker in its own session) once checkpoint `after` exists and the next update has played its first
-    turn; returns its stderr."""
-    marker, stderr_path = uuid.uuid4().hex, tmp_path / f"killed_{name}.stderr"
-    command = [str(Path(sys.executable).parent / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2"]
-    command += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(ROOT / f"{name}.py")]
-    env = job_env(OMP_NUM_THREADS="1", TRAINING_JOB_MARKER=marker)
-    with open(stderr_path, "w") as stderr:
-        job = subprocess.Popen(
-            [*command, *cli(values)], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=stderr
-        )
-    started = re.compile(rf"\[checkpoint\][^\n]*update_{after:06d}.*rollout: 1turn", re.DOTALL)
-    deadline = time.monotonic() + 240
-    try:
-        while not started.search(stderr_path.read_text()):
-            assert job.poll() is None and time.monotonic() < deadline, stderr_path.read_text()[-3000:]
-            time.sleep(0.05)
-    finally:
-        for process in psutil.process_iter():
-            with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-                if process.environ().get("TRAINING_JOB_MARKER") == marker:
-                    process.kill()
-        job.wait(timeout=30)
-    return stderr_path.read_text()
-
-
 @pytest.fixture(scope="module")
 def tiny_agent() -> dict:
     """The tiny agent (assets/tiny-agent) on its own games (made once into the cache)."""
@@ -956,10 +930,10 @@ def tiny_agent() -> dict:
     return dict(model=str(model), data_root=str(games), task_types=offline.TINY_AGENT_TASK_TYPES)
 
 
-# Every script twice, LoRA and full weights, each run trained; one of the two also SIGKILLed mid-update and resumed:
+# Every script twice, LoRA and full weights, each run trained; one of the two also resumed from a mid-run checkpoint:
 # LoRA for ADCA-GRPO (the judge's labels train its adapter), full weights for the others (ppo.py: and its value head)
-FSDP_KILLED_WITH_LORA = ("adca_grpo",)
-FSDP_JOBS = [(name, rank, rank == (4 if name in FSDP_KILLED_WITH_LORA else 0)) for name in SCRIPTS for rank in (4, 0)]
+FSDP_RESUMED_WITH_LORA = ("adca_grpo",)
+FSDP_JOBS = [(name, rank, rank == (4 if name in FSDP_RESUMED_WITH_LORA else 0)) for name in SCRIPTS for rank in (4, 0)]
 # The random tiny model trains nothing where its episodes all fail alike and only outcomes tell steps apart: TEMPO (its
 # critic never writes a value), GiGPO and any outcome-only script (a fork's: tests/test_fork.py). ADCA-GRPO's judge
 # labels and PPO's value head train it; the others get the tiny agent, which trains in every update. GiGPO: at 24-token
@@ -980,18 +954,17 @@ FSDP_BF16 = "ppo"  # its full-weights job computes in bfloat16: float32 shards a
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "name, lora_rank, kill",
-    [
-        pytest.param(*job, marks=pytest.mark.vllm_server) if job[0] == FSDP_VLLM and job[1] else job
-        for job in FSDP_JOBS
-    ],
+    "name, lora_rank, resume",
+    [pytest.param(*job, marks=pytest.mark.vllm_server) if job[0] == FSDP_VLLM and job[1] else job for job in FSDP_JOBS],
 )
 def test_fsdp_two_process_job(
-    name, lora_rank, kill, games_root, tiny_model_dir, tiny_agent, tmp_path, monkeypatch, request
+    name, lora_rank, resume, games_root, tiny_model_dir, tiny_agent, tmp_path, monkeypatch, request
 ):
     """--fsdp on 2 processes: the job trains, its checkpoints hold the whole weights (identical on both ranks) and the
-    whole optimizer state; with `kill`, the same job SIGKILLed mid-update and resumed with --resume auto logs the same
-    metrics and ends with the same weights and optimizer state (GiGPO's: --eval-only then evaluates it in one process).
+    whole optimizer state; with `resume`, a copy of its directory as a death in update k + 1 leaves it (checkpoints
+    1..k; the rows of later updates logged) resumed on 2 processes with --resume auto logs the same metrics and ends
+    with the same weights and optimizer state (GiGPO's: --eval-only then evaluates it in one process). A real SIGKILL
+    mid-update is the single-process test's (test_killed_job_resumes_exactly, every script).
     GiGPO's LoRA job samples through the vLLM server, which serves the adapter of the weights each update trains."""
     monkeypatch.setenv(JUDGE_KEY_ENV, "not-a-secret")  # inherited by the job
     vllm = request.getfixturevalue("vllm") if name == FSDP_VLLM and lora_rank else None
@@ -1000,7 +973,7 @@ def test_fsdp_two_process_job(
         straight = settings(
             name, games_root, tiny_model_dir, tmp_path / "straight", url, lora_rank=lora_rank, fsdp=True
         )
-        if "num_updates" in straight:  # the fewest for a kill in an update after a checkpoint (TEMPO's budget: 3)
+        if "num_updates" in straight:  # the fewest for a resume in an update after a checkpoint (TEMPO's budget: 3)
             straight["num_updates"] = kill_after(name) + 1
         if name not in TRAINS_ON_THE_RANDOM_MODEL:
             straight |= tiny_agent | ON_THE_TINY_AGENT.get(name, OUTCOMES_ON_THE_TINY_AGENT)
@@ -1012,17 +985,16 @@ def test_fsdp_two_process_job(
         # the vLLM job runs in the repo's directory: the server names its model by a path relative to it
         result, leftovers = launch(name, straight, tmp_path, cwd=ROOT if vllm else None)
         assert result.returncode == 0 and not leftovers, result.stderr[-5000:]
-        if kill:
-            killed = {**straight, "output_dir": str(tmp_path / "killed")}
-            launch_killed(name, killed, tmp_path, kill_after(name))
-            (killed_dir,) = (tmp_path / "killed").iterdir()
-            assert [c.name for c in checkpoints(killed_dir)] == [
-                f"update_{u:06d}" for u in range(1, kill_after(name) + 1)
-            ]
-            resumed, leftovers = launch(name, {**killed, "resume": "auto"}, tmp_path)
+        if resume:  # the run as a death in update k + 1 leaves it: checkpoints 1..k, and rows logged after k kept
+            shutil.copytree(tmp_path / "straight", tmp_path / "resumed")
+            (resumed_dir,) = (tmp_path / "resumed").iterdir()
+            for checkpoint in checkpoints(resumed_dir)[kill_after(name) :]:
+                shutil.rmtree(checkpoint)
+            values = {**straight, "output_dir": str(tmp_path / "resumed"), "resume": "auto"}
+            resumed, leftovers = launch(name, values, tmp_path)
             assert resumed.returncode == 0 and not leftovers, resumed.stderr[-5000:]
-            assert f"resumed {tmp_path / 'killed'}" in resumed.stderr
-    runs = [next((tmp_path / d).iterdir()) for d in ("straight", "killed")[: 1 + kill]]
+            assert f"resumed {tmp_path / 'resumed'}" in resumed.stderr
+    runs = [next((tmp_path / d).iterdir()) for d in ("straight", "resumed")[: 1 + resume]]
     n = updates(straight)
     rows = [read_rows(run / "metrics.jsonl") for run in runs]
     for run, run_rows in zip(runs, rows):
@@ -1051,7 +1023,7 @@ def test_fsdp_two_process_job(
         served = load_file(tmp_path / "adapters" / adapter / "adapter_model.safetensors")
         checkpointed = load_file(sampled / "adapter_model.safetensors")
         assert served.keys() == checkpointed.keys() and all(torch.equal(served[k], checkpointed[k]) for k in served)
-    if not kill:
+    if not resume:
         return
     for row, want in zip(rows[1], rows[0]):
         assert row.keys() == want.keys()
