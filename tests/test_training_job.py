@@ -939,14 +939,14 @@ FSDP_JOBS = [(name, rank, rank == (4 if name in FSDP_RESUMED_WITH_LORA else 0)) 
 # labels and PPO's value head train it; the others get the tiny agent, which trains in every update. GiGPO: at 24-token
 # turns some replies are cut short (invalid actions, penalised) and others are not; TEMPO: at 48-token turns (whole
 # actions) its critic's 4 values of a state differ; any other script: whole actions and episodes long enough to win
-# (~1 in 4), so that outcomes differ within a group. At 1e-2 with full weights the agent wrote no critic value after
-# one update: 1e-4.
+# (4 turns: ~1 in 4; both forks' jobs train at 4 as at 6, in ~2/3 of the time), so that outcomes differ within a
+# group. At 1e-2 with full weights the agent wrote no critic value after one update: 1e-4.
 TRAINS_ON_THE_RANDOM_MODEL = ("adca_grpo", "ppo")
 ON_THE_TINY_AGENT = {
     "tempo": dict(max_turn_tokens=48, critic_samples=4, learning_rate=1e-4),
     "gigpo": dict(max_turn_tokens=24, learning_rate=1e-4),
 }
-OUTCOMES_ON_THE_TINY_AGENT = dict(max_turn_tokens=48, max_turns=6, learning_rate=1e-4)
+OUTCOMES_ON_THE_TINY_AGENT = dict(max_turn_tokens=48, max_turns=4, learning_rate=1e-4)
 FSDP_VLLM = "gigpo"  # its LoRA job samples through the vLLM server (on the tiny agent, which the server serves)
 FSDP_EVAL_ONLY = "gigpo"  # its resumed run (full weights) is also evaluated with --eval-only (once: ~5-10 s each)
 FSDP_BF16 = "ppo"  # its full-weights job computes in bfloat16: float32 shards and float32 gathered weights
