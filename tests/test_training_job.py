@@ -180,6 +180,16 @@ def for_processes(name, values: dict, processes: int = 2) -> dict:
     return {key: value * processes if key in counts else value for key, value in values.items()}
 
 
+def copy_as_died_after(output_dir: Path, copy_dir: Path, update: int) -> Path:
+    """A copy of the one run in output_dir as a death in update + 1 leaves it (the atomic saves keep checkpoints
+    1..update whole; the rows logged after them stay, for the resume to drop); returns the copy's run dir."""
+    shutil.copytree(output_dir, copy_dir)
+    (run_dir,) = [metrics.parent for metrics in copy_dir.glob("*/metrics.jsonl")]
+    for checkpoint in checkpoints(run_dir)[update:]:
+        shutil.rmtree(checkpoint)
+    return run_dir
+
+
 def job_env(**extra) -> dict:
     return {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1", **extra}
 
@@ -985,11 +995,8 @@ def test_fsdp_two_process_job(
         # the vLLM job runs in the repo's directory: the server names its model by a path relative to it
         result, leftovers = launch(name, straight, tmp_path, cwd=ROOT if vllm else None)
         assert result.returncode == 0 and not leftovers, result.stderr[-5000:]
-        if resume:  # the run as a death in update k + 1 leaves it: checkpoints 1..k, and rows logged after k kept
-            shutil.copytree(tmp_path / "straight", tmp_path / "resumed")
-            (resumed_dir,) = (tmp_path / "resumed").iterdir()
-            for checkpoint in checkpoints(resumed_dir)[kill_after(name) :]:
-                shutil.rmtree(checkpoint)
+        if resume:
+            copy_as_died_after(tmp_path / "straight", tmp_path / "resumed", kill_after(name))
             values = {**straight, "output_dir": str(tmp_path / "resumed"), "resume": "auto"}
             resumed, leftovers = launch(name, values, tmp_path)
             assert resumed.returncode == 0 and not leftovers, resumed.stderr[-5000:]

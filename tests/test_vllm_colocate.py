@@ -8,7 +8,6 @@ at start."""
 import dataclasses
 import json
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +16,7 @@ import algorithm_scripts
 import pytest
 import torch
 from test_kv_cache import perturb_adapter
-from test_training_job import launch
+from test_training_job import copy_as_died_after, launch
 from test_vllm import assert_trained_on_the_served_policy, chat_prompts, logprob_gaps, read_rows, short
 
 import harness
@@ -113,8 +112,7 @@ def test_a_run_resumed_mid_run_continues_exactly(tmp_path):
         [*command, str(tmp_path / "straight")], cwd=ROOT, capture_output=True, text=True, timeout=900
     )
     assert straight.returncode == 0, straight.stderr[-3000:]
-    shutil.copytree(tmp_path / "straight", tmp_path / "resumed")
-    shutil.rmtree(next((tmp_path / "resumed").glob("*/checkpoints/update_000002")))
+    copy_as_died_after(tmp_path / "straight", tmp_path / "resumed", 1)
     resumed = subprocess.run(
         [*command, str(tmp_path / "resumed"), "--resume", "auto"], cwd=ROOT, capture_output=True, text=True, timeout=900
     )
