@@ -75,7 +75,6 @@ def load_model(args, accelerator, heads: torch.nn.Module | None = None):
     AdamW on what is trained, prepared by accelerate. `heads`: an algorithm's own modules (Runtime.make_heads), moved
     to the device, made rank 0's on every process, and stepped by the same optimizer after the model's parameters."""
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
 
     path = resolve_model(args.model)
     tokenizer = load_tokenizer(path, args.chat_template, padding_side="left")
@@ -84,7 +83,7 @@ def load_model(args, accelerator, heads: torch.nn.Module | None = None):
     # ulp of a weight (1e-6 against ~6e-5 at 0.02) and would round away. bfloat16 is the compute dtype (autocast); with
     # LoRA the frozen base weights are stored in it (peft keeps the adapter in float32).
     stored = torch.float32 if not args.lora_rank else dtype
-    base = AutoModelForCausalLM.from_pretrained(path, dtype=stored)
+    base = pretrained(path, stored)
     if dtype != torch.float32:
         compute_in(base, dtype, accelerator.device)
     if checkpointing:  # long multi-turn sequences: activations would not fit otherwise
@@ -124,6 +123,38 @@ def load_model(args, accelerator, heads: torch.nn.Module | None = None):
     else:
         model, optimizer = accelerator.prepare(model, optimizer)
     return tokenizer, model, optimizer
+
+
+SHARED_KV_ATTENTION = "sdpa_shared_kv"  # transformers' attention implementation name for shared_kv_attention
+
+
+def pretrained(path: str, dtype: torch.dtype):
+    """The causal LM at `path`, stored in `dtype`, attending with shared_kv_attention."""
+    from transformers import AttentionInterface, AutoModelForCausalLM
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(SHARED_KV_ATTENTION, shared_kv_attention)
+    AttentionMaskInterface.register(SHARED_KV_ATTENTION, sdpa_mask)  # the masks transformers builds for "sdpa"
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=SHARED_KV_ATTENTION)
+
+
+def shared_kv_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+    """transformers' "sdpa" attention, except in a CPU forward without gradients under a padding mask (sampling,
+    evaluation, logprobs): there the grouped KV heads are shared inside torch's kernel (enable_gqa), where transformers
+    copies them once per query head (repeat_kv) whenever a mask is given, at every decoded token. The same logits, bit
+    for bit (tests/test_kv_cache.py); an evaluation of 132 episodes on the tiny agent 61 s -> 21 s. Training keeps
+    transformers' path (the shared heads' gradient would sum in another order), as does CUDA (where a mask with
+    enable_gqa takes the math kernel) and a forward without a mask (transformers shares the heads itself there)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    plain = torch.is_grad_enabled() or query.device.type != "cpu" or attention_mask is None or dropout
+    special = kwargs.get("output_attentions") or any(kwargs.get(k) is not None for k in ("position_bias", "cache"))
+    if plain or special or getattr(module, "num_key_value_groups", 1) == 1:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
+    output = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=True
+    )
+    return output.transpose(1, 2).contiguous(), None
 
 
 def model_precision(args, device: torch.device) -> tuple[torch.dtype, bool]:

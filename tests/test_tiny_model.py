@@ -89,3 +89,40 @@ def test_a_tiny_agent_not_shipped_is_found_once_built_and_named_with_its_build_c
     last.mkdir()
     (last / "sft.json").write_text("{}")  # what the build's last stage writes when it is done
     assert offline.tiny_agent_weights("tiny-agent-long", tmp_path) == last
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_shared_kv_attention_gives_sdpas_logits_without_copying_the_kv_heads(tiny_model_dir, dtype, monkeypatch):
+    """samplers.pretrained's attention on a left-padded batch (fp32; bf16 compute as load_model sets it): without
+    gradients, transformers' "sdpa" logits and sampled tokens bit for bit with its KV heads never copied per query head
+    (repeat_kv not called; "sdpa" calls it); with gradients, transformers' own path (the same gradients bit for bit)."""
+    from transformers.integrations import sdpa_attention
+
+    copies = []
+    repeat_kv = sdpa_attention.repeat_kv
+    monkeypatch.setattr(sdpa_attention, "repeat_kv", lambda *a: copies.append(1) or repeat_kv(*a))
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir, padding_side="left")
+    plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir)  # transformers' "sdpa"
+    models = [plain, samplers.pretrained(str(tiny_model_dir), torch.float32)]
+    for model in models:
+        if dtype != torch.float32:
+            samplers.compute_in(model, dtype, torch.device("cpu"))
+    assert models[0].config.num_key_value_heads < models[0].config.num_attention_heads  # grouped: what is shared
+    texts = [f"go to desk {i} " * (1 + i % 5) for i in range(6)]
+    batch = tokenizer(texts, return_tensors="pt", padding=True)
+    valid = batch["attention_mask"].bool()
+    logits, sampled, used = [], [], []
+    for model in models:
+        copies.clear()
+        with torch.no_grad():
+            logits.append(model(**batch).logits[valid])
+            torch.manual_seed(0)
+            sampled.append(model.generate(**batch, max_new_tokens=12, do_sample=True, top_k=0, pad_token_id=0))
+        used.append(len(copies))
+    assert torch.equal(logits[0], logits[1]) and torch.equal(sampled[0], sampled[1])
+    assert used[0] > 0 and used[1] == 0
+    gradients = []
+    for model in models:
+        loss = model(**batch).logits[valid].float().logsumexp(-1).sum()
+        gradients.append(torch.autograd.grad(loss, list(model.parameters())))
+    assert all(torch.equal(a, b) for a, b in zip(*gradients))

@@ -176,9 +176,8 @@ class Evaluator:
         were admissible commands (a memorised command from other games is not: "Nothing happens.")."""
         import torch
         from peft import PeftModel
-        from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(self.warm, dtype=torch.float32)
+        model = samplers.pretrained(self.warm, torch.float32)
         if checkpoint is not None:
             model = PeftModel.from_pretrained(model, checkpoint).merge_and_unload()
         sampling, cap = dataclasses.replace(self.recipe, temperature=1.0, top_p=1.0), self.recipe.max_turns
