@@ -1,8 +1,8 @@
 """The policy and its samplers: load_model (LoRA), generate() in this process or a vLLM server, each a SampleFn.
 
-Sections: Model and samplers (load_tokenizer, chat_protocol, load_model, sharding, GenerateSampler, ServerSampler),
-then Adapter weights (what training changes, its checksum, the adapter directory a vLLM server loads). Imports
-common.py (Completion, SampleFn, ChatProtocol) and offline.py (the tiny models) below it.
+Sections: Model and samplers (load_tokenizer, chat_protocol, load_model, pretrained, sharding, GenerateSampler,
+ServerSampler), then Adapter weights (what training changes, its checksum, the adapter directory a vLLM server
+loads). Imports common.py (Completion, SampleFn, ChatProtocol) and offline.py (the tiny models) below it.
 """
 
 from __future__ import annotations
@@ -142,9 +142,9 @@ def shared_kv_attention(module, query, key, value, attention_mask, dropout=0.0, 
     """transformers' "sdpa" attention, except in a CPU forward without gradients under a padding mask (sampling,
     evaluation, logprobs): there the grouped KV heads are shared inside torch's kernel (enable_gqa), where transformers
     copies them once per query head (repeat_kv) whenever a mask is given, at every decoded token. The same logits, bit
-    for bit (tests/test_kv_cache.py); an evaluation of 132 episodes on the tiny agent 61 s -> 21 s. Training keeps
-    transformers' path (the shared heads' gradient would sum in another order), as does CUDA (where a mask with
-    enable_gqa takes the math kernel) and a forward without a mask (transformers shares the heads itself there)."""
+    for bit (tests/test_tiny_model.py); an evaluation of 132 episodes on the tiny agent 61 s -> 21 s. Training keeps
+    transformers' path (the shared heads' gradient would sum in another order), as do CUDA (a mask with enable_gqa
+    takes the math kernel there: transformers' use_gqa_in_sdpa) and a forward without a mask (shared there already)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     plain = torch.is_grad_enabled() or query.device.type != "cpu" or attention_mask is None or dropout
