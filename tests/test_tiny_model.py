@@ -1,4 +1,5 @@
-"""The tiny offline model: builds deterministically, reloads, renders chats with tools, generates."""
+"""The tiny offline model: builds deterministically, reloads, renders chats with tools, generates; samplers.pretrained's
+attention gives transformers' logits without copying its KV heads."""
 
 import hashlib
 from pathlib import Path
